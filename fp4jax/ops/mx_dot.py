@@ -1,0 +1,279 @@
+"""`mx_dot_general`: a quantized drop-in for `jax.lax.dot_general`, one `jax.custom_vjp` (DESIGN.md §3).
+
+Every call is brought to one canonical form: each operand is transposed and reshaped to
+(batch, free, contraction), so any dimension_numbers (batch dims, several contracting dims, either
+operand contracting on any axis) become
+
+    fprop   y[b, m, n]  = sum_k  x[b, m, k]  w[b, n, k]      (x = lhs, w = rhs)
+    dgrad   dx[b, m, k] = sum_n dy[b, m, n]  w[b, n, k]
+    wgrad   dw[b, n, k] = sum_m  x[b, m, k] dy[b, m, n]
+
+and each of the three GEMMs goes through `_gemm`, which pads the contraction axis, rotates, quantizes
+both operands along the contraction axis from the high-precision tensors, and multiplies with float32
+accumulation. A quantized tensor is never reused across a change of contraction axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax.ops import quantize
+from fp4jax.ops.kernels import backends
+from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
+from fp4jax.ops.rotation import random_signs, rotate_blocks
+
+Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+
+# Which amax history each operand of each GEMM uses under delayed FP8 scaling.
+FP8_HISTORY_ROLES = {"fprop": ("lhs", "rhs"), "dgrad": ("grad", "rhs"), "wgrad": ("lhs", "grad")}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the canonical (batch, free, contraction) layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one operand maps to (B, F, C): the transpose `perm` and the shapes of the three groups."""
+
+    perm: tuple[int, ...]
+    batch_shape: tuple[int, ...]
+    free_shape: tuple[int, ...]
+    contract_shape: tuple[int, ...]
+
+    @property
+    def bfc_shape(self) -> tuple[int, int, int]:
+        return (math.prod(self.batch_shape), math.prod(self.free_shape), math.prod(self.contract_shape))
+
+
+def _layout(shape: tuple[int, ...], batch: tuple[int, ...], contract: tuple[int, ...]) -> Layout:
+    free = tuple(d for d in range(len(shape)) if d not in batch and d not in contract)
+    return Layout(
+        perm=batch + free + contract,
+        batch_shape=tuple(shape[d] for d in batch),
+        free_shape=tuple(shape[d] for d in free),
+        contract_shape=tuple(shape[d] for d in contract),
+    )
+
+
+def operand_layouts(lhs_shape, rhs_shape, dimension_numbers: Dims) -> tuple[Layout, Layout]:
+    """The canonical layouts of both operands; the backward GEMMs' dimension numbers follow from them."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    return _layout(tuple(lhs_shape), lhs_batch, lhs_contract), _layout(
+        tuple(rhs_shape), rhs_batch, rhs_contract
+    )
+
+
+def to_bfc(x: jax.Array, layout: Layout) -> jax.Array:
+    return jnp.transpose(x, layout.perm).reshape(layout.bfc_shape)
+
+
+def from_bfc(x_bfc: jax.Array, layout: Layout) -> jax.Array:
+    grouped = x_bfc.reshape(layout.batch_shape + layout.free_shape + layout.contract_shape)
+    return jnp.transpose(grouped, tuple(sorted(range(len(layout.perm)), key=layout.perm.__getitem__)))
+
+
+def _swap(x_bxy: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x_bxy, 1, 2)
+
+
+def _normalize_dims(dimension_numbers) -> Dims:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# one quantized GEMM
+
+
+def _quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
+    """Quantizes a (B, F, C) operand along C; a plain operand passes through unchanged."""
+    if spec.kind == "none":
+        return x
+    if spec.kind == "fp8":
+        return quantize.quantize_fp8(x, elem=spec.elem, scale=fp8_scale)
+    return quantize.quantize_mx(
+        x,
+        axis=-1,
+        elem=spec.elem,
+        block_size=spec.block_size,
+        scale_mode=spec.scale_mode,
+        rounding=spec.rounding,
+        key=key,
+    )
+
+
+def _rotation_signs(rotation: RotationSpec, key) -> jax.Array | None:
+    if rotation.kind != "random":
+        return None
+    if rotation.signs == "per_run":
+        key = jax.random.key(rotation.seed)
+    return random_signs(key, rotation.size)
+
+
+def _pad_contraction(x: jax.Array, multiple: int) -> jax.Array:
+    pad = -x.shape[-1] % multiple
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad))) if pad else x
+
+
+def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
+    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k], each operand rotated and quantized along k."""
+    a = _pad_contraction(a, gemm.contraction_multiple)
+    c = _pad_contraction(c, gemm.contraction_multiple)
+    rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
+    if gemm.rotation.kind != "none":
+        signs = _rotation_signs(gemm.rotation, rotation_key)
+        a = rotate_blocks(a, axis=-1, size=gemm.rotation.size, signs=signs)
+        c = rotate_blocks(c, axis=-1, size=gemm.rotation.size, signs=signs)
+    qa = _quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
+    qc = _quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
+    return backends.matmul(qa, qc, backend=backend, precision=precision)
+
+
+def _gemm_key(key, stage: int):
+    return None if key is None else jax.random.fold_in(key, stage)
+
+
+def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
+    """Delayed-scaling FP8 scales for one GEMM's operands from the amax histories (None = current)."""
+    gemm = getattr(recipe, stage)
+    scales = []
+    for spec, role in zip((gemm.lhs, gemm.rhs), FP8_HISTORY_ROLES[stage], strict=True):
+        delayed = spec.kind == "fp8" and spec.fp8_scaling == "delayed"
+        scales.append(quantize.fp8_scale_from_history(fp8_meta[role], spec.elem) if delayed else None)
+    return tuple(scales)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the custom_vjp
+
+
+def _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+    lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
+    backend = backends.resolve_backend(recipe.backend)
+    out_bmn = _gemm(
+        to_bfc(lhs, lhs_layout),
+        to_bfc(rhs, rhs_layout),
+        recipe.fprop,
+        _gemm_key(key, 0),
+        _fp8_scales(recipe, fp8_meta, "fprop"),
+        backend=backend,
+        precision=precision,
+    )
+    out_shape = lhs_layout.batch_shape + lhs_layout.free_shape + rhs_layout.free_shape
+    return out_bmn.reshape(out_shape).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+    return _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
+
+
+def _mx_dot_fwd(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+    out = _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
+    return out, (lhs, rhs, key, fp8_meta)
+
+
+def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
+    """Dgrad and Wgrad, each re-quantizing its operands along its own contraction axis.
+
+    Under delayed FP8 scaling the "cotangent" of fp8_meta is the updated amax histories
+    (overwrite-with-gradient): the caller replaces its state by it.
+    """
+    lhs, rhs, key, fp8_meta = residuals
+    lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
+    backend = backends.resolve_backend(recipe.backend)
+    x_bmk, w_bnk = to_bfc(lhs, lhs_layout), to_bfc(rhs, rhs_layout)
+    dy_bmn = g.reshape(x_bmk.shape[:2] + w_bnk.shape[1:2])
+    gemm = functools.partial(_gemm, backend=backend, precision=precision)
+
+    dx_bmk = gemm(
+        dy_bmn, _swap(w_bnk), recipe.dgrad, _gemm_key(key, 1), _fp8_scales(recipe, fp8_meta, "dgrad")
+    )
+    dw_bkn = gemm(
+        _swap(x_bmk), _swap(dy_bmn), recipe.wgrad, _gemm_key(key, 2), _fp8_scales(recipe, fp8_meta, "wgrad")
+    )
+    d_lhs = from_bfc(dx_bmk, lhs_layout).astype(lhs.dtype)
+    d_rhs = from_bfc(_swap(dw_bkn), rhs_layout).astype(rhs.dtype)
+    new_meta = None
+    if fp8_meta is not None:
+        update = quantize.fp8_amax_history_update
+        new_meta = {
+            "lhs": update(fp8_meta["lhs"], lhs),
+            "rhs": update(fp8_meta["rhs"], rhs),
+            "grad": update(fp8_meta["grad"], g),
+        }
+    return d_lhs, d_rhs, None, new_meta
+
+
+_mx_dot.defvjp(_mx_dot_fwd, _mx_dot_bwd)
+
+
+def mx_dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe: str | Recipe,
+    key: jax.Array | None = None,
+    fp8_meta: dict[str, jax.Array] | None = None,
+    out_sharding=None,
+) -> jax.Array:
+    """`jax.lax.dot_general` with each of its three GEMMs quantized as `recipe` says.
+
+    Args:
+      recipe: a preset name (see PRESETS) or a Recipe.
+      key: PRNG key; required when the recipe rounds stochastically or draws random signs per call.
+        It is folded per GEMM; pass a different key per layer and per step (the Flax adapters do).
+      fp8_meta: amax histories {"lhs", "rhs", "grad"} (float32 vectors) for delayed FP8 scaling; their
+        cotangent is the updated histories (the Flax adapters handle this).
+    Returns the product in `preferred_element_type`, else in the promoted input dtype, as lax.dot_general.
+    """
+    recipe = get_recipe(recipe)
+    if out_sharding is not None:
+        raise NotImplementedError("mx_dot_general does not take out_sharding yet: shard its inputs instead")
+    if recipe.needs_key and key is None:
+        raise ValueError(
+            f"recipe {recipe.name!r} rounds stochastically or draws random signs: pass key=..., "
+            "or use the Flax adapters, which draw one from the 'quant' rng stream"
+        )
+    if recipe.uses_delayed_fp8 and fp8_meta is None:
+        raise ValueError(
+            f"recipe {recipe.name!r} uses delayed FP8 scaling: pass fp8_meta (amax histories), "
+            "or use the linen adapter QuantDotGeneral, which keeps them"
+        )
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
+    dims = _normalize_dims(dimension_numbers)
+    return _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
+
+
+def make_dot_general(recipe: str | Recipe, key: jax.Array | None = None):
+    """A callable with lax.dot_general's signature for `nn.Dense(dot_general=...)` / `nnx.Linear`.
+
+    For recipes that need a key per call, prefer the Flax adapters; a fixed `key` here would reuse the
+    same random draws at every step.
+    """
+    recipe = get_recipe(recipe)
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+        return mx_dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            recipe=recipe,
+            key=key,
+            **kwargs,
+        )
+
+    return dot_general

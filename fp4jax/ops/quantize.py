@@ -1,0 +1,295 @@
+"""MX block quantization, FP8 per-tensor quantization and the rounding modes (DESIGN.md §3).
+
+Exactness. Everything here is computed on float32 bit patterns wherever float arithmetic could be
+inexact: XLA's CPU back end flushes subnormals to zero (inputs and results), and `exp2` is not exact for
+negative exponents. So powers of two are built from bits, the block maximum is an integer max over
+magnitude bit patterns, and dequantization assembles its result bit by bit. The invariants:
+
+    quantize_mx(x).dequantize() == data * 2^e               exactly (including fp32 subnormal results)
+    |x - dequantize(quantize_mx(x))| <= half an element ulp  (nearest modes, inside the element range)
+    E[dequantize(quantize_mx(x, rounding="stochastic"))] == x   (inside the element range)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax.ops import formats
+from fp4jax.ops.formats import ElemFormat, get_elem_format
+
+SCALE_MODES = ("floor", "even", "ceil")
+ROUNDING_MODES = ("nearest_even", "nearest_away", "stochastic")
+
+_MANTISSA_MASK = 0x7FFFFF
+_ABS_MASK = 0x7FFFFFFF
+_SIGN_MASK = -0x80000000  # 0x80000000 as an int32
+_INF_BITS = 0x7F800000
+_EVEN_ROUND_BIT = 0x200000  # 2^21: rounds a float32 significand to 2 significant bits
+
+
+# ----------------------------------------------------------------------------------------------------
+# float32 bit helpers
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def _from_bits(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
+
+
+def pow2(k: jax.Array | int) -> jax.Array:
+    """Exactly 2^k as float32, for integer k in [-126, 127] (the normal range), built from bits."""
+    return _from_bits((jnp.asarray(k, jnp.int32) + 127) << 23)
+
+
+def _floor_log2(abs_bits: jax.Array) -> jax.Array:
+    """floor(log2(v)) of a non-negative float32 given by its bits; -127 for zero and subnormals."""
+    return (abs_bits >> 23) - 127
+
+
+def _mul_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
+    """x * 2^k for float32 x and integer k in [-126, 127], exact whenever |result| >= 2^-126.
+
+    Subnormal x is rebuilt from its integer significand so that a flush-to-zero back end does not drop
+    it. Results below 2^-104 come back as (signed) zero: they lie far below half of the smallest
+    element of every format here, so they round to zero anyway.
+    """
+    bits = _bits(x)
+    is_subnormal = ((bits >> 23) & 0xFF) == 0
+    significand = (bits & _MANTISSA_MASK).astype(jnp.float32)  # the subnormal's value is this * 2^-149
+    from_subnormal = jnp.where(k >= 23, significand * pow2(jnp.maximum(k - 149, -126)), 0.0)
+    from_subnormal = jnp.where(bits < 0, -from_subnormal, from_subnormal)
+    return jnp.where(is_subnormal, from_subnormal, x * pow2(k))
+
+
+def ldexp_exact(v: jax.Array, k: jax.Array) -> jax.Array:
+    """v * 2^k for float32 v that is zero or normal, k integer, computed on the bit pattern.
+
+    Exact whenever v * 2^k is representable, subnormal results included (the bits shifted out are then
+    zero); that holds for every MX element times an E8M0 scale. Overflow gives +-inf.
+    """
+    bits = _bits(v)
+    sign = bits & _SIGN_MASK
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & _MANTISSA_MASK
+    new_exponent = exponent + k
+    normal = sign | (jnp.clip(new_exponent, 1, 254) << 23) | mantissa
+    shift = jnp.clip(1 - new_exponent, 0, 31)
+    subnormal = sign | ((mantissa | 0x800000) >> shift)
+    out = jnp.where(new_exponent >= 1, normal, subnormal)
+    out = jnp.where(new_exponent >= 255, sign | _INF_BITS, out)
+    return _from_bits(jnp.where(exponent == 0, bits, out))
+
+
+# ----------------------------------------------------------------------------------------------------
+# rounding onto an element grid
+
+
+def round_to_grid(
+    abs_y: jax.Array, fmt: ElemFormat, rounding: str, key: jax.Array | None = None
+) -> jax.Array:
+    """Rounds non-negative float32 magnitudes onto `fmt`'s grid, saturating at fmt.max_value.
+
+    The grid spacing in the binade of v is 2^(q - mantissa_bits) with q = max(floor(log2 v), emin), so
+    v / spacing is an exact float32 and rounding it to an integer is the whole job. Stochastic rounding
+    picks the upper neighbour with probability (v - lower) / spacing using 24 uniform random bits.
+    """
+    q = jnp.maximum(_floor_log2(_bits(abs_y)), fmt.emin)
+    units = abs_y * pow2(fmt.mantissa_bits - q)
+    if rounding == "nearest_even":
+        units = lax.round(units, lax.RoundingMethod.TO_NEAREST_EVEN)
+    elif rounding == "nearest_away":
+        units = lax.round(units, lax.RoundingMethod.AWAY_FROM_ZERO)
+    elif rounding == "stochastic":
+        if key is None:
+            raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+        random_bits = jax.random.bits(key, abs_y.shape, jnp.uint32)
+        uniform = (random_bits >> 8).astype(jnp.float32) * (2.0**-24)  # in [0, 1), 24 bits
+        lower = jnp.floor(units)
+        units = lower + (uniform < units - lower).astype(jnp.float32)
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDING_MODES)}")
+    return jnp.minimum(units * pow2(q - fmt.mantissa_bits), fmt.max_value)
+
+
+def _with_sign(magnitude: jax.Array, x: jax.Array) -> jax.Array:
+    """Applies x's sign bit to a magnitude, so a negative value that rounds to zero gives -0."""
+    return jnp.where(_bits(x) < 0, -magnitude, magnitude)
+
+
+# ----------------------------------------------------------------------------------------------------
+# MX block quantization
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXArray:
+    """A block-scaled tensor: `data` (x's shape, element dtype) and one E8M0 `scale` per block.
+
+    Blocks are `block_size` contiguous elements along `axis`; scale has x's shape with
+    shape[axis] // block_size. The value of element i is data[i] * 2^(scale exponent of its block).
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def scale_exponent(self) -> jax.Array:
+        """The scale as an int32 exponent e (scale = 2^e); 128 marks a NaN scale."""
+        return lax.bitcast_convert_type(self.scale, jnp.uint8).astype(jnp.int32) - formats.SCALE_BIAS
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        """data * 2^e exactly in float32 (then cast to dtype); NaN for every element of a NaN block."""
+        exponent = jnp.repeat(self.scale_exponent(), self.block_size, axis=self.axis)
+        values = ldexp_exact(self.data.astype(jnp.float32), exponent)
+        values = jnp.where(exponent == formats.SCALE_NAN_BITS - formats.SCALE_BIAS, jnp.nan, values)
+        return values.astype(dtype)
+
+
+def _check_mx_args(x: jax.Array, axis: int, block_size: int, scale_mode: str, rounding: str) -> int:
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale_mode {scale_mode!r}: use one of {', '.join(SCALE_MODES)}")
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDING_MODES)}")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}")
+    axis %= x.ndim
+    if x.shape[axis] % block_size:
+        raise ValueError(
+            f"axis {axis} has length {x.shape[axis]}, not a multiple of block_size {block_size}: "
+            "pad it (mx_dot_general pads contraction axes itself) or choose another block size"
+        )
+    return axis
+
+
+def _mantissa_bits_of(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0] & _MANTISSA_MASK
+
+
+def scale_exponent(amax_bits: jax.Array, fmt: ElemFormat, scale_mode: str) -> jax.Array:
+    """The shared exponent e of blocks whose absolute maxima have float32 bits `amax_bits` (finite).
+
+    floor: floor(log2 amax) - emax.  even: the same after rounding amax to 2 significant bits.
+    ceil: the smallest e with max_value * 2^e >= amax. Clamped to [-127, 127].
+    """
+    if scale_mode == "even":
+        amax_bits = (amax_bits + _EVEN_ROUND_BIT) & ~_MANTISSA_MASK
+    exponent = _floor_log2(amax_bits) - fmt.emax
+    if scale_mode == "ceil":
+        # amax = 2^f * m_a and max_value = 2^emax * m_max with m in [1, 2): one more binade iff m_a > m_max.
+        above = (amax_bits & _MANTISSA_MASK) > _mantissa_bits_of(fmt.max_value)
+        exponent = exponent + above.astype(jnp.int32)
+    return jnp.clip(exponent, formats.SCALE_EXP_MIN, formats.SCALE_EXP_MAX)
+
+
+def quantize_mx(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    elem: str = "e2m1",
+    block_size: int = 32,
+    scale_mode: str = "floor",
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
+) -> MXArray:
+    """Quantizes x into MX blocks along `axis` (DESIGN.md §3, OCP MX v1.0).
+
+    Invariant: quantize_mx(x).dequantize() rounds each x / 2^e onto the element grid, with e the
+    block's shared exponent; a block holding NaN or +-Inf gets a NaN scale (and +0 data).
+    """
+    fmt = get_elem_format(elem)
+    x = jnp.asarray(x)
+    axis = _check_mx_args(x, axis, block_size, scale_mode, rounding)
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+
+    x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    blocks = x_last.reshape(*x_last.shape[:-1], -1, block_size)
+    # Integer max of magnitude bits: exact, immune to flush-to-zero, and NaN/Inf sort above every finite.
+    amax_bits = jnp.max(_bits(blocks) & _ABS_MASK, axis=-1, keepdims=True)
+    finite = amax_bits < _INF_BITS
+    exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, scale_mode)
+
+    scaled = _mul_pow2(jnp.where(finite, blocks, 0.0), -exponent)
+    magnitude = round_to_grid(jnp.abs(scaled), fmt, rounding, key)
+    data = jnp.where(finite, _with_sign(magnitude, blocks), 0.0).astype(fmt.dtype)
+
+    scale_bits = jnp.where(finite, exponent + formats.SCALE_BIAS, formats.SCALE_NAN_BITS)
+    scale = lax.bitcast_convert_type(scale_bits[..., 0].astype(jnp.uint8), formats.SCALE_DTYPE)
+    return MXArray(
+        data=jnp.moveaxis(data.reshape(x_last.shape), -1, axis),
+        scale=jnp.moveaxis(scale, -1, axis),
+        axis=axis,
+        block_size=block_size,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 per-tensor quantization (the baseline)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FP8Array:
+    """A per-tensor scaled FP8 tensor: value = data / scale, `scale` a float32 scalar multiplier."""
+
+    data: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return (self.data.astype(jnp.float32) / self.scale).astype(dtype)
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """max |x| over the whole tensor, as float32 (NaN if x holds NaN)."""
+    return jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)))
+
+
+def fp8_scale_from_amax(tensor_amax: jax.Array, elem: str = "e4m3") -> jax.Array:
+    """Current scaling: max_value / amax, so the largest magnitude lands on the format's maximum; 1 if 0."""
+    fmt = get_elem_format(elem)
+    tensor_amax = jnp.asarray(tensor_amax, jnp.float32)
+    safe = jnp.where(tensor_amax > 0, tensor_amax, 1.0)
+    return jnp.where(tensor_amax > 0, jnp.float32(fmt.max_value) / safe, jnp.float32(1.0))
+
+
+def quantize_fp8(x: jax.Array, *, elem: str = "e4m3", scale: jax.Array | None = None) -> FP8Array:
+    """Per-tensor FP8: data = saturate(round_half_even(x * scale)); scale=None means current scaling."""
+    fmt = get_elem_format(elem)
+    if fmt.name == "e2m1":
+        raise ValueError("quantize_fp8 takes elem 'e4m3' or 'e5m2'; e2m1 is an MX element (quantize_mx)")
+    x = jnp.asarray(x, jnp.float32)
+    scale = fp8_scale_from_amax(amax(x), elem) if scale is None else jnp.asarray(scale, jnp.float32)
+    y = x * scale
+    magnitude = round_to_grid(jnp.abs(y), fmt, "nearest_even")
+    data = jnp.where(jnp.isnan(y), jnp.nan, _with_sign(magnitude, y))
+    return FP8Array(data=data.astype(fmt.dtype), scale=scale)
+
+
+def fp8_amax_history_update(history: jax.Array, x: jax.Array) -> jax.Array:
+    """Delayed scaling: shifts the amax history by one and puts amax(x) first (the oldest drops out)."""
+    return jnp.roll(history, 1).at[0].set(amax(x))
+
+
+def fp8_scale_from_history(history: jax.Array, elem: str = "e4m3") -> jax.Array:
+    """Delayed scaling (Transformer-Engine style): the scale from the largest amax in the history."""
+    return fp8_scale_from_amax(jnp.max(history), elem)

@@ -1,0 +1,216 @@
+"""GEMM recipes: how each operand of each of a linear layer's three GEMMs is quantized (DESIGN.md §3).
+
+For y = x W with tokens T, input features K and output features N:
+
+    GEMM    computes       contraction   GemmSpec.lhs   GemmSpec.rhs
+    fprop   y  = x W        K            x              W
+    dgrad   dx = dy W^T     N            dy             W
+    wgrad   dW = x^T dy     T            x              dy
+
+Every spec is a frozen, hashable dataclass, so a Recipe can be a static jit argument. The study's named
+presets live in one explicit dict, PRESETS; `get_recipe` takes a name or a Recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fp4jax.ops.formats import ELEM_FORMATS
+from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
+
+QUANT_KINDS = ("none", "mx", "fp8")
+FP8_SCALINGS = ("current", "delayed")
+ROTATION_KINDS = ("none", "deterministic", "random")
+SIGN_POLICIES = ("per_call", "per_run")
+BACKENDS = ("auto", "emulate", "native", "fp8")
+
+
+def _check_choice(value, choices, what: str) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(map(str, choices))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How one GEMM operand is quantized along that GEMM's contraction axis.
+
+    kind "none" leaves the operand in its own dtype; "mx" is MX block quantization (elem, block_size,
+    scale_mode, rounding); "fp8" is per-tensor FP8 (elem e4m3/e5m2, current or delayed scaling,
+    round-half-even).
+    """
+
+    kind: str = "none"
+    elem: str = "e2m1"
+    block_size: int = 32
+    scale_mode: str = "even"
+    rounding: str = "nearest_even"
+    fp8_scaling: str = "current"
+
+    def __post_init__(self):
+        _check_choice(self.kind, QUANT_KINDS, "quantization kind")
+        _check_choice(self.elem, tuple(ELEM_FORMATS), "element format")
+        _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
+        _check_choice(self.rounding, ROUNDING_MODES, "rounding")
+        _check_choice(self.fp8_scaling, FP8_SCALINGS, "fp8_scaling")
+        if (
+            not isinstance(self.block_size, int)
+            or self.block_size <= 0
+            or self.block_size & (self.block_size - 1)
+        ):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
+        if self.kind == "fp8" and self.elem == "e2m1":
+            raise ValueError("an fp8 operand needs elem 'e4m3' or 'e5m2', not 'e2m1'")
+        if self.kind == "fp8" and self.rounding != "nearest_even":
+            raise ValueError("fp8 per-tensor operands round half-to-even only")
+
+    @property
+    def needs_key(self) -> bool:
+        return self.kind == "mx" and self.rounding == "stochastic"
+
+
+@dataclasses.dataclass(frozen=True)
+class RotationSpec:
+    """The rotation applied to both operands of a GEMM along its contraction axis before quantizing.
+
+    "deterministic" uses H_size; "random" uses H_size diag(s) with random signs s shared by both
+    operands, drawn from the call's key ("per_call") or fixed for the whole run by `seed` ("per_run").
+    """
+
+    kind: str = "none"
+    size: int = 16
+    signs: str = "per_call"
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_choice(self.kind, ROTATION_KINDS, "rotation kind")
+        _check_choice(self.signs, SIGN_POLICIES, "sign policy")
+        if not isinstance(self.size, int) or self.size < 1 or self.size & (self.size - 1):
+            raise ValueError(f"rotation size must be a power of two, got {self.size!r}")
+
+    @property
+    def needs_key(self) -> bool:
+        return self.kind == "random" and self.signs == "per_call"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM: a spec per operand (in the order of the table above) and one rotation."""
+
+    lhs: QuantSpec = QuantSpec()
+    rhs: QuantSpec = QuantSpec()
+    rotation: RotationSpec = RotationSpec()
+
+    @property
+    def needs_key(self) -> bool:
+        return self.lhs.needs_key or self.rhs.needs_key or self.rotation.needs_key
+
+    @property
+    def contraction_multiple(self) -> int:
+        """What the contraction axis is zero-padded to: every MX block and rotation block must fit."""
+        sizes = [s.block_size for s in (self.lhs, self.rhs) if s.kind == "mx"]
+        if self.rotation.kind != "none":
+            sizes.append(self.rotation.size)
+        return max(sizes, default=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A linear layer's three GEMMs, and the back end that runs MX x MX GEMMs."""
+
+    fprop: GemmSpec = GemmSpec()
+    dgrad: GemmSpec = GemmSpec()
+    wgrad: GemmSpec = GemmSpec()
+    backend: str = "auto"
+    name: str = "custom"
+
+    def __post_init__(self):
+        _check_choice(self.backend, BACKENDS, "GEMM back end")
+
+    @property
+    def gemms(self) -> tuple[GemmSpec, GemmSpec, GemmSpec]:
+        return (self.fprop, self.dgrad, self.wgrad)
+
+    @property
+    def needs_key(self) -> bool:
+        """True when some GEMM rounds stochastically or draws random signs per call."""
+        return any(g.needs_key for g in self.gemms)
+
+    @property
+    def uses_delayed_fp8(self) -> bool:
+        """True when some operand uses delayed FP8 scaling (its amax histories are layer state)."""
+        return any(s.kind == "fp8" and s.fp8_scaling == "delayed" for g in self.gemms for s in (g.lhs, g.rhs))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The study's presets. Stages not in MXFP4 run in the FP8 baseline: E4M3 for x and W, E5M2 for dy.
+
+
+def _fp8(elem: str, scaling: str = "current") -> QuantSpec:
+    return QuantSpec(kind="fp8", elem=elem, fp8_scaling=scaling)
+
+
+def _fp8_gemms(scaling: str = "current") -> dict[str, GemmSpec]:
+    x, w, dy = _fp8("e4m3", scaling), _fp8("e4m3", scaling), _fp8("e5m2", scaling)
+    return dict(fprop=GemmSpec(x, w), dgrad=GemmSpec(dy, w), wgrad=GemmSpec(x, dy))
+
+
+# AMD's production MXFP4 operand: E2M1, blocks of 32, the EVEN scale rule, the hardware's RNE cast.
+MXFP4 = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
+MXFP4_SR = dataclasses.replace(MXFP4, rounding="stochastic")
+# NVIDIA's MXFP8 recipe: E4M3 everywhere, scales rounded up (RCEIL).
+MXFP8 = QuantSpec(kind="mx", elem="e4m3", block_size=32, scale_mode="ceil", rounding="nearest_even")
+
+H16 = RotationSpec(kind="deterministic", size=16)
+H32 = RotationSpec(kind="deterministic", size=32)
+RHT16 = RotationSpec(kind="random", size=16, signs="per_call")
+
+
+def _mxfp4_gemm(rotation: RotationSpec = RotationSpec(), spec: QuantSpec = MXFP4) -> GemmSpec:
+    return GemmSpec(spec, spec, rotation)
+
+
+def _recipe(name: str, **gemms: GemmSpec) -> Recipe:
+    return Recipe(**{**_fp8_gemms(), **gemms}, name=name)
+
+
+_FULL = dict(fprop=_mxfp4_gemm(), dgrad=_mxfp4_gemm(), wgrad=_mxfp4_gemm())
+
+
+def _rotated(rotation: RotationSpec) -> dict[str, GemmSpec]:
+    return {stage: _mxfp4_gemm(rotation) for stage in ("fprop", "dgrad", "wgrad")}
+
+
+PRESETS: dict[str, Recipe] = {
+    "bf16": Recipe(name="bf16"),
+    "fp8": _recipe("fp8"),
+    "fp8_delayed": Recipe(**_fp8_gemms("delayed"), name="fp8_delayed"),
+    "mxfp4_fprop": _recipe("mxfp4_fprop", fprop=_mxfp4_gemm()),
+    "mxfp4_fprop_dgrad": _recipe("mxfp4_fprop_dgrad", fprop=_mxfp4_gemm(), dgrad=_mxfp4_gemm()),
+    "mxfp4_full": _recipe("mxfp4_full", **_FULL),
+    "mxfp4_full_sr": _recipe(
+        "mxfp4_full_sr",
+        fprop=_mxfp4_gemm(),
+        dgrad=_mxfp4_gemm(spec=MXFP4_SR),
+        wgrad=_mxfp4_gemm(spec=MXFP4_SR),
+    ),
+    "mxfp4_full_rht": _recipe("mxfp4_full_rht", **_rotated(RHT16)),
+    "mxfp4_full_h16": _recipe("mxfp4_full_h16", **_rotated(H16)),
+    "mxfp4_full_h32": _recipe("mxfp4_full_h32", **_rotated(H32)),
+    "mxfp4_full_h16_wgrad_only": _recipe("mxfp4_full_h16_wgrad_only", **{**_FULL, "wgrad": _mxfp4_gemm(H16)}),
+    "mxfp8": Recipe(
+        fprop=_mxfp4_gemm(spec=MXFP8),
+        dgrad=_mxfp4_gemm(spec=MXFP8),
+        wgrad=_mxfp4_gemm(spec=MXFP8),
+        name="mxfp8",
+    ),
+}
+
+
+def get_recipe(recipe: str | Recipe) -> Recipe:
+    """A preset by name, or the Recipe itself; an unknown name is a ValueError listing the presets."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    try:
+        return PRESETS[recipe]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown recipe {recipe!r}: use one of {', '.join(PRESETS)} or a Recipe") from None

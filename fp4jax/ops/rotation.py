@@ -1,0 +1,62 @@
+"""Hadamard rotations along a GEMM's contraction axis (DESIGN.md §3).
+
+A rotation of size g is the block-diagonal orthogonal matrix Q = diag(H_g diag(s), H_g diag(s), ...)
+acting on the contraction axis. Applied to both operands, it cancels in the product:
+
+    (a Q)(b Q)^T = a Q Q^T b^T = a b^T
+
+while spreading each block's outliers over g elements, so the per-block scale wastes fewer bits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _check_power_of_two(n: int, what: str) -> None:
+    if not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"{what} must be a power of two (1, 2, 4, ..., 16, 32, ...), got {n!r}")
+
+
+@functools.cache
+def _sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Sylvester-Hadamard matrix H_n / sqrt(n) as float32: symmetric, H H^T = I."""
+    _check_power_of_two(n, "hadamard size")
+    return (_sylvester(n) / np.sqrt(n)).astype(np.float32)
+
+
+def random_signs(key: jax.Array, size: int) -> jax.Array:
+    """A vector of `size` independent random signs (+-1.0, float32)."""
+    return jnp.where(jax.random.bernoulli(key, 0.5, (size,)), 1.0, -1.0).astype(jnp.float32)
+
+
+def rotate_blocks(x: jax.Array, *, axis: int, size: int, signs: jax.Array | None = None) -> jax.Array:
+    """Rotates every block of `size` contiguous elements along `axis`: v -> (v * signs) @ H_size.
+
+    Computed in float32 at full precision; returns float32. The inverse is v -> (v @ H_size) * signs.
+    """
+    _check_power_of_two(size, "rotation size")
+    x = jnp.asarray(x, jnp.float32)
+    axis %= x.ndim
+    if x.shape[axis] % size:
+        raise ValueError(
+            f"axis {axis} has length {x.shape[axis]}, not a multiple of the rotation size {size}: "
+            "pad it first"
+        )
+    x_last = jnp.moveaxis(x, axis, -1)
+    blocks = x_last.reshape(*x_last.shape[:-1], -1, size)
+    if signs is not None:
+        blocks = blocks * signs
+    rotated = jnp.matmul(blocks, jnp.asarray(hadamard(size)), precision=jax.lax.Precision.HIGHEST)
+    return jnp.moveaxis(rotated.reshape(x_last.shape), -1, axis)
