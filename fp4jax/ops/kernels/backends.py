@@ -51,22 +51,26 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _emulate_input(operand):
+def _emulate_input(operand, keep_fp8: bool):
     """(values to multiply, scalar to multiply the result by, or None)."""
     if isinstance(operand, MXArray):
         return operand.dequantize(jnp.bfloat16), None
     if isinstance(operand, FP8Array):
-        return operand.data.astype(jnp.bfloat16), operand.scale
+        # FP8 x FP8 stays in FP8 so XLA can emit a native FP8 GEMM (Hopper, MI300+); exact either way.
+        return (operand.data if keep_fp8 else operand.data.astype(jnp.bfloat16)), operand.scale
     return operand, None
 
 
 def _emulate(a, c, precision) -> jax.Array:
-    a_values, a_scale = _emulate_input(a)
-    c_values, c_scale = _emulate_input(c)
-    dtype = jnp.promote_types(a_values.dtype, c_values.dtype)
+    both_fp8 = isinstance(a, FP8Array) and isinstance(c, FP8Array)
+    a_values, a_scale = _emulate_input(a, both_fp8)
+    c_values, c_scale = _emulate_input(c, both_fp8)
+    if not both_fp8:
+        dtype = jnp.promote_types(a_values.dtype, c_values.dtype)
+        a_values, c_values = a_values.astype(dtype), c_values.astype(dtype)
     out = jax.lax.dot_general(
-        a_values.astype(dtype),
-        c_values.astype(dtype),
+        a_values,
+        c_values,
         _BMK_BNK,
         precision=precision,
         preferred_element_type=jnp.float32,

@@ -1,0 +1,109 @@
+"""GEMM throughput of fp4jax.ops.mx_dot_general against plain bf16 / FP8 dots, side by side in one run.
+
+    PYTHONPATH=. python benchmarks/bench_gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE.md]
+
+Each variant is jitted once, warmed up, then timed `--iters` times (block_until_ready per call); the
+table reports the median. TFLOP/s counts 2*M*N*K per GEMM (3 GEMMs for forward+backward), so a
+quantized path is charged for its quantization work inside the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax.ops import get_recipe, mx_dot_general
+
+DIMS = (((1,), (0,)), ((), ()))  # x[M, K] @ w[K, N]
+PRESETS = ("bf16", "fp8", "mxfp4_fprop", "mxfp4_full", "mxfp4_full_h16", "mxfp4_full_sr", "mxfp8")
+
+
+def _time(fn, *args, iters: int) -> float:
+    out = fn(*args)
+    jax.block_until_ready(out)
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _baselines(x, w):
+    """Plain XLA dots: bf16, and an FP8 E4M3 x E4M3 dot of pre-quantized operands (the hardware ceiling)."""
+    x8, w8 = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
+    bf16 = jax.jit(lambda a, b: jax.lax.dot_general(a, b, DIMS, preferred_element_type=jnp.bfloat16))
+    fp8 = jax.jit(lambda a, b: jax.lax.dot_general(a, b, DIMS, preferred_element_type=jnp.bfloat16))
+    return {"xla bf16 dot": (bf16, (x, w), 1), "xla fp8 e4m3 dot (pre-quantized)": (fp8, (x8, w8), 1)}
+
+
+def _mx_variants(x, w, key):
+    variants = {}
+    for name in PRESETS:
+        recipe = get_recipe(name)
+        k = key if recipe.needs_key else None
+
+        def fwd(a, b, recipe=recipe, k=k):
+            return mx_dot_general(a, b, DIMS, recipe=recipe, key=k)
+
+        def loss(a, b, recipe=recipe, k=k):
+            return mx_dot_general(a, b, DIMS, recipe=recipe, key=k).astype(jnp.float32).sum()
+
+        variants[f"mx_dot {name} fwd"] = (jax.jit(fwd), (x, w), 1)
+        variants[f"mx_dot {name} fwd+bwd"] = (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w), 3)
+    return variants
+
+
+def run(shapes, iters: int) -> list[tuple[str, str, float, float]]:
+    rows = []
+    for m, k, n in shapes:
+        kx, kw, kq = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+        w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        variants = {**_baselines(x, w), **_mx_variants(x, w, kq)}
+        for name, (fn, args, gemms) in variants.items():
+            seconds = _time(fn, *args, iters=iters)
+            tflops = gemms * 2 * m * n * k / seconds / 1e12
+            rows.append((f"{m}x{k}x{n}", name, seconds * 1e3, tflops))
+            print(f"{m}x{k}x{n}  {name:40s} {seconds * 1e3:9.3f} ms  {tflops:8.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def to_markdown(rows, command: str) -> str:
+    device = jax.devices()[0]
+    lines = [
+        f"### GEMMs on {device.device_kind} ({datetime.date.today().isoformat()}, jax {jax.__version__})",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| M x K x N | variant | median ms | TFLOP/s |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [f"| {shape} | {name} | {ms:.3f} | {tf:.1f} |" for shape, name, ms, tf in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8192x8192x8192,16384x4096x14336", help="MxKxN,...")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="", help="write the markdown table here")
+    args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows = run(shapes, args.iters)
+    table = to_markdown(rows, "python benchmarks/bench_gemm.py --shapes " + args.shapes)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
