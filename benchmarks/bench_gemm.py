@@ -44,7 +44,12 @@ def _baselines(x, w):
     return {"xla bf16 dot": (bf16, (x, w), 1), "xla fp8 e4m3 dot (pre-quantized)": (fp8, (x8, w8), 1)}
 
 
-def _mx_variants(x, w, key):
+def _mx_variants(x, w, dy, key):
+    """Forward alone, and forward + both gradients for a random cotangent dy.
+
+    The cotangent must be random: with jax.grad of a sum it would be all ones, and XLA turns a dot with
+    a broadcast of ones into a reduction (and drops the unused forward), which times nothing real.
+    """
     variants = {}
     for name in PRESETS:
         recipe = get_recipe(name)
@@ -53,21 +58,23 @@ def _mx_variants(x, w, key):
         def fwd(a, b, recipe=recipe, k=k):
             return mx_dot_general(a, b, DIMS, recipe=recipe, key=k)
 
-        def loss(a, b, recipe=recipe, k=k):
-            return mx_dot_general(a, b, DIMS, recipe=recipe, key=k).astype(jnp.float32).sum()
+        def fwd_bwd(a, b, g, fwd=fwd):
+            out, vjp = jax.vjp(fwd, a, b)
+            return out, vjp(g)
 
         variants[f"mx_dot {name} fwd"] = (jax.jit(fwd), (x, w), 1)
-        variants[f"mx_dot {name} fwd+bwd"] = (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w), 3)
+        variants[f"mx_dot {name} fwd+bwd"] = (jax.jit(fwd_bwd), (x, w, dy), 3)
     return variants
 
 
 def run(shapes, iters: int) -> list[tuple[str, str, float, float]]:
     rows = []
     for m, k, n in shapes:
-        kx, kw, kq = jax.random.split(jax.random.key(0), 3)
+        kx, kw, kg, kq = jax.random.split(jax.random.key(0), 4)
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
         w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
-        variants = {**_baselines(x, w), **_mx_variants(x, w, kq)}
+        dy = (jax.random.normal(kg, (m, n), jnp.float32) * 1e-3).astype(jnp.bfloat16)
+        variants = {**_baselines(x, w), **_mx_variants(x, w, dy, kq)}
         for name, (fn, args, gemms) in variants.items():
             seconds = _time(fn, *args, iters=iters)
             tflops = gemms * 2 * m * n * k / seconds / 1e12
