@@ -1,0 +1,232 @@
+"""The Llama model: shapes and counts, RoPE and attention against slow references, causality, scan
+layout, remat policies and the per-block precision switches. Tiny shapes, fp32 compute where compared."""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from fp4jax.models import llama
+from fp4jax.models.llama import Llama, llama_config
+
+# fp32 compute so comparisons can be tight; vocab small to keep the LM head cheap.
+TINY = llama_config("tiny", vocab_size=256, dtype="float32", remat="none")
+
+
+# Inputs come from numpy: every eager jax op costs a compile on CPU.
+def _tokens(B=2, T=8, vocab=256, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (B, T)), jnp.int32)
+
+
+def _normal(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _init(config, recipe="bf16", tokens=None):
+    tokens = _tokens() if tokens is None else tokens
+    return nn.meta.unbox(jax.jit(Llama(config, recipe).init)(jax.random.key(1), tokens))
+
+
+# Eager linen apply dispatches op by op; jitted (and cached per config) is much faster on CPU.
+@functools.cache
+def _apply(config, recipe="bf16"):
+    return jax.jit(Llama(config, recipe).apply)
+
+
+def _grad(config):
+    def loss(params, tokens):
+        return jnp.mean(Llama(config).apply({"params": params}, tokens) ** 2)
+
+    return jax.jit(jax.grad(loss))
+
+
+# ----------------------------------------------------------------------------------- sizes and counts
+
+
+def test_8b_param_count_by_eval_shape():
+    V, D, L, F, KV = 128256, 4096, 32, 14336, 1024
+    by_hand = 2 * V * D + L * (D * (D + KV + KV + D) + 3 * D * F + 2 * D) + D
+    assert by_hand == 8_030_261_248
+    assert llama.param_count(llama_config("8b")) == by_hand
+
+
+@pytest.mark.parametrize("size", llama.SIZES)
+def test_every_size_eval_shapes(size):
+    cfg = llama_config(size)
+    abstract = jax.eval_shape(Llama(cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, 4), jnp.int32))
+    params = nn.meta.unbox(abstract["params"])
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    norms = (2 * cfg.n_layers + 1) * cfg.d_model
+    embedding = cfg.vocab_size * cfg.d_model
+    assert llama.param_count(cfg) == llama.matmul_param_count(cfg) + embedding + norms
+    assert cfg.vocab_size % 128 == 0
+
+
+def test_config_errors_and_vocab_padding():
+    with pytest.raises(ValueError, match="8b, 1b, 350m, 125m, tiny"):
+        llama_config("7b")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        llama_config("tiny", n_kv_heads=3)
+    with pytest.raises(ValueError, match="remat"):
+        llama_config("tiny", remat="some")
+    assert llama.padded_vocab_size(50257) == 50304
+    assert llama.padded_vocab_size(128256) == 128256
+    assert llama_config("tiny", vocab_size=512).vocab_size == 512
+
+
+def test_flops_per_token_convention():
+    cfg = llama_config("8b")
+    T = 8192
+    matmul = 32 * (4096 * (4096 + 2048) + 4096 * 4096 + 3 * 4096 * 14336) + 4096 * 128256
+    assert llama.flops_per_token(cfg, T) == 6 * matmul + 6 * 32 * 4096 * T
+
+
+# --------------------------------------------------------------------------------------------- RoPE
+
+
+def _meta_apply_scaling(freqs):
+    """Meta's llama3 `apply_scaling` (models/llama3/reference_impl/model.py), transcribed as a loop."""
+    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8, 1, 4, 8192
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    new_freqs = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            new_freqs.append(freq)
+        elif wavelen > low_freq_wavelen:
+            new_freqs.append(freq / scale_factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            new_freqs.append((1 - smooth) * freq / scale_factor + smooth * freq)
+    return np.array(new_freqs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_scaling_matches_meta(head_dim):
+    theta = 500000.0
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2)[: head_dim // 2].astype(np.float64) / head_dim))
+    want = _meta_apply_scaling(freqs)
+    got = llama.rope_frequencies(head_dim, theta, scaling=True)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # all three regimes are exercised: kept, divided by 8, and smoothly interpolated
+    assert np.any(got == np.float32(freqs)) and np.any(np.isclose(got, freqs / 8, rtol=1e-6))
+    assert np.any((got < freqs * 0.99) & (got > freqs / 8 * 1.01))
+    np.testing.assert_allclose(llama.rope_frequencies(head_dim, theta, scaling=False), freqs, rtol=1e-6)
+
+
+def test_apply_rope_matches_complex_rotation():
+    B, T, N, H = 2, 5, 3, 8
+    x = _normal(B, T, N, H)
+    cfg = llama_config("tiny", head_dim=H, rope_theta=10000.0)
+    got = jax.jit(lambda x: llama.apply_rope(x, *llama.rope_tables(T, cfg)))(x)
+    freqs = llama.rope_frequencies(H, 10000.0, True).astype(np.float64)
+    z = (x[..., : H // 2] + 1j * x[..., H // 2 :]) * np.exp(1j * np.arange(T)[None, :, None, None] * freqs)
+    np.testing.assert_allclose(got, np.concatenate([z.real, z.imag], -1), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+
+def _naive_gqa(q, k, v):
+    B, T, N, H = q.shape
+    G = N // k.shape[2]
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)  # query head n reads kv head n // G
+    s = np.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(H)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("BNTS,BSNH->BTNH", p, v)
+
+
+def test_gqa_attention_matches_naive():
+    q, k, v = _normal(2, 6, 4, 8, seed=0), _normal(2, 6, 2, 8, seed=1), _normal(2, 6, 2, 8, seed=2)
+    assert llama.attention_implementation("auto", jnp.float32, 8) == "xla"
+    got = jax.jit(llama.causal_attention, static_argnums=3)(q, k, v, "auto")
+    np.testing.assert_allclose(got, _naive_gqa(q, k, v), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- model
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return _init(TINY)
+
+
+def test_causality(tiny_params):
+    tokens, params = _tokens(T=8), tiny_params
+    apply = _apply(TINY)
+    logits = apply(params, tokens)
+    assert logits.shape == (2, 8, 256) and logits.dtype == jnp.float32
+    changed = tokens.at[:, 5:].set((tokens[:, 5:] + 7) % 256)
+    logits2 = apply(params, changed)
+    np.testing.assert_array_equal(logits[:, :5], logits2[:, :5])
+    assert not np.allclose(logits[:, 5:], logits2[:, 5:])
+
+
+def test_scan_matches_unrolled_layers():
+    cfg = llama_config(
+        "tiny", vocab_size=256, n_layers=3, dtype="float32", bf16_first_blocks=1, bf16_last_blocks=1
+    )
+    assert llama.block_segments(cfg) == ((0, 1, True), (1, 2, False), (2, 3, True))
+    tokens = _tokens()
+    scanned = _init(cfg, tokens=tokens)["params"]
+    assert set(scanned) >= {"blocks_0_1", "blocks_1_2", "blocks_2_3"}
+    per_block = llama.unstack_layer_params(scanned, cfg)
+    assert set(per_block) == {"embed", "final_norm", "lm_head", "block_0", "block_1", "block_2"}
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+    want = _apply(cfg)({"params": scanned}, tokens)
+    got = _apply(unrolled)({"params": per_block}, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    restacked = llama.stack_layer_params(per_block, cfg)
+    jax.tree.map(np.testing.assert_array_equal, restacked, scanned)
+
+
+def test_remat_policies_give_same_gradients(tiny_params):
+    tokens, params = _tokens(T=8), tiny_params["params"]
+    want = _grad(TINY)(params, tokens)
+    got = _grad(dataclasses.replace(TINY, remat="minimal"))(params, tokens)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
+    assert llama.remat_policy("none") is None
+    assert all(callable(llama.remat_policy(name)) for name in ("full", "dots_saveable", "minimal"))
+
+
+def test_bf16_blocks_use_bf16_recipe(tiny_params):
+    cfg = dataclasses.replace(TINY, scan_layers=False)  # block_{i} names whatever the segments
+    tokens = _tokens()
+    params = {"params": llama.unstack_layer_params(tiny_params["params"], TINY)}
+
+    def run(recipe, first=0, last=0):
+        c = dataclasses.replace(cfg, bf16_first_blocks=first, bf16_last_blocks=last)
+        return np.asarray(_apply(c, recipe)(params, tokens))
+
+    quantized, reference = run("mxfp4_full"), run("bf16")
+    first, both = run("mxfp4_full", first=1), run("mxfp4_full", first=1, last=1)
+    assert not np.allclose(quantized, reference, atol=1e-4)
+    assert not np.allclose(first, quantized, atol=1e-6)  # block 0 left the quantized path ...
+    assert not np.allclose(first, reference, atol=1e-6)  # ... block 1 did not
+    np.testing.assert_array_equal(both, reference)  # first 1 + last 1 = both blocks in bf16
+
+
+def test_stochastic_rounding_recipe_needs_quant_rng(tiny_params):
+    cfg = llama_config("tiny", vocab_size=256, remat="full")  # bf16 compute, scanned, rematerialised
+    tokens, params = _tokens(), tiny_params["params"]
+    with pytest.raises(ValueError, match="quant"):
+        Llama(cfg, "mxfp4_full_sr").apply({"params": params}, tokens)
+    logits = _apply(cfg, "mxfp4_full_sr")({"params": params}, tokens, rngs={"quant": jax.random.key(3)})
+    assert logits.shape == (2, 8, 256) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_unknown_recipe_and_too_long_sequence():
+    with pytest.raises(ValueError, match="mxfp4_full"):
+        Llama(TINY, "mxfp5").init(jax.random.key(0), _tokens())
+    short = llama_config("tiny", vocab_size=256, max_seq_len=4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        Llama(short).init(jax.random.key(0), _tokens(T=8))
