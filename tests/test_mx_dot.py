@@ -1,0 +1,580 @@
+"""mx_dot_general against lax.dot_general (recipe bf16) and against the numpy reference GEMMs (every preset).
+
+For a linear layer y = x W the three GEMMs are (DESIGN.md section 3):
+  Fprop  y  = x W      quantize x and W along K
+  Dgrad  dx = dy W^T   quantize dy and W along N
+  Wgrad  dW = x^T dy   quantize x and dy along T (all non-contracting dims of x)
+The reference builds each GEMM from the contract table below, written from DESIGN.md (not from the code), and
+compares forward and both gradients with a per-element bound 1e-5 * (|A_q| |B_q|): the float32 accumulation
+error scale. One element quantized one grid step differently moves its outputs by ~1e-2 of that scale.
+Rotated presets add, per output, the room left by rotated elements lying within float32 rotation error of a
+rounding boundary (computed by mx_reference; zero almost everywhere, exactly zero for exact rotations).
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import mx_reference as ref
+import numpy as np
+import pytest
+
+from fp4jax.ops import (
+    PRESETS,
+    GemmSpec,
+    QuantSpec,
+    Recipe,
+    RotationSpec,
+    get_recipe,
+    make_dot_general,
+    mx_dot_general,
+)
+
+Op = ref.Operand
+MX4 = Op("mx", "e2m1", 32, "even", "nearest_even")
+MX4_SR = Op("mx", "e2m1", 32, "even", "stochastic")
+MX8 = Op("mx", "e4m3", 32, "ceil", "nearest_even")  # owner's decision (DESIGN.md is silent): NVIDIA's MXFP8
+FP8_FWD = Op("fp8", "e4m3")  # x and W
+FP8_GRAD = Op("fp8", "e5m2")  # dy
+NONE = ref.NONE
+
+# GEMM table: (lhs, rhs, rotation); rotation None, ("deterministic", g) or ("random", g).
+_FP8 = dict(fprop=(FP8_FWD, FP8_FWD, None), dgrad=(FP8_GRAD, FP8_FWD, None), wgrad=(FP8_FWD, FP8_GRAD, None))
+
+
+def _full(op, rot=None):
+    return dict(fprop=(op, op, rot), dgrad=(op, op, rot), wgrad=(op, op, rot))
+
+
+CONTRACT = {
+    "bf16": _full(NONE),
+    "fp8": _FP8,
+    "fp8_delayed": _FP8,  # with delayed scaling; structure checked only
+    "mxfp4_fprop": {**_FP8, "fprop": (MX4, MX4, None)},
+    "mxfp4_fprop_dgrad": {**_FP8, "fprop": (MX4, MX4, None), "dgrad": (MX4, MX4, None)},
+    "mxfp4_full": _full(MX4),
+    "mxfp4_full_sr": {
+        "fprop": (MX4, MX4, None),
+        "dgrad": (MX4_SR, MX4_SR, None),
+        "wgrad": (MX4_SR, MX4_SR, None),
+    },
+    "mxfp4_full_rht": _full(MX4, ("random", 16)),
+    "mxfp4_full_h16": _full(MX4, ("deterministic", 16)),
+    "mxfp4_full_h32": _full(MX4, ("deterministic", 32)),
+    "mxfp4_full_h16_wgrad_only": {**_full(MX4), "wgrad": (MX4, MX4, ("deterministic", 16))},
+    "mxfp8": _full(MX8),
+}
+DETERMINISTIC = [n for n in CONTRACT if n not in ("fp8_delayed", "mxfp4_full_sr", "mxfp4_full_rht")]
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+# dimension_numbers cases, with einsum-like subscripts (lhs, rhs, out) for the reference.
+DIMS = {
+    "2d": ((40, 48), (48, 24), (((1,), (0,)), ((), ())), ("tk", "kn", "tn")),
+    "3d_activations": ((2, 20, 64), (64, 32), (((2,), (0,)), ((), ())), ("btk", "kn", "btn")),
+    "batch": ((2, 24, 64), (2, 64, 40), (((2,), (1,)), ((0,), (0,))), ("bmk", "bkn", "bmn")),
+    "two_contracting": ((24, 4, 24), (4, 24, 40), (((1, 2), (0, 1)), ((), ())), ("mpq", "pqn", "mn")),
+    "rhs_contract_last": ((40, 48), (24, 48), (((1,), (1,)), ((), ())), ("tk", "nk", "tn")),
+    "lhs_contract_0": ((48, 40), (48, 24), (((0,), (0,)), ((), ())), ("kt", "kn", "tn")),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs and the reference.
+
+
+def _inputs(lhs_shape, rhs_shape, subs, seed=0):
+    """lhs, rhs and a cotangent with outlier tokens and channels (x100), float32."""
+    rng = np.random.default_rng(seed)
+    lhs_subs, rhs_subs, out_subs = subs
+    # Every third value on a coarse grid: exact round-half ties after scaling (nearest_even vs away).
+    coarse = lambda v, q: np.where(rng.random(v.shape) < 1 / 3, np.round(v * q) / q, v).astype(np.float32)
+    lhs = coarse(rng.standard_normal(lhs_shape), 4)
+    rhs = coarse(rng.standard_normal(rhs_shape) / 8, 32)
+    # Outlier channels: a few positions of lhs's last contracting letter; outlier tokens: lhs free letters.
+    contract = [c for c in lhs_subs if c in rhs_subs and c not in out_subs]
+    free = [c for c in lhs_subs if c not in rhs_subs]
+    ax_c = lhs_subs.index(contract[-1])
+    ax_t = lhs_subs.index(free[-1])
+    idx = [slice(None)] * lhs.ndim
+    idx[ax_c] = [1, 7]
+    lhs[tuple(idx)] *= 100
+    idx = [slice(None)] * lhs.ndim
+    idx[ax_t] = [3]
+    lhs[tuple(idx)] *= 100
+    out_shape = jax.eval_shape(
+        lambda a, b: jnp.einsum(f"{lhs_subs},{rhs_subs}->{out_subs}", a, b), lhs, rhs
+    ).shape
+    dy = coarse(rng.standard_normal(out_shape), 4)
+    dy[..., 2] *= 100  # an outlier output feature in the gradient
+    return lhs, rhs, dy
+
+
+def _reference(name, lhs, rhs, dy, subs, signs=(None, None, None)):
+    """[y, dlhs, drhs] from the contract table, each (value, error scale, rotation room)."""
+    lhs_subs, rhs_subs, out_subs = subs
+    table = CONTRACT[name]
+    out = []
+    calls = {
+        "fprop": (lhs, lhs_subs, rhs, rhs_subs, out_subs),
+        "dgrad": (dy, out_subs, rhs, rhs_subs, lhs_subs),
+        "wgrad": (lhs, lhs_subs, dy, out_subs, rhs_subs),
+    }
+    for gemm, s in zip(GEMMS, signs, strict=True):
+        a_op, b_op, rot = table[gemm]
+        out.append(
+            ref.quantized_dot(*calls[gemm], a_op, b_op, rotation=rot and rot[1], signs=s, return_abs=True)
+        )
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("dims", "recipe", "pet"))
+def _fwd_bwd(lhs, rhs, dy, key=None, *, dims, recipe, pet=None):
+    f = lambda a, b: mx_dot_general(a, b, dims, preferred_element_type=pet, recipe=recipe, key=key)
+    y, vjp = jax.vjp(f, lhs, rhs)
+    return (y, *vjp(dy.astype(y.dtype)))
+
+
+@functools.partial(jax.jit, static_argnames=("dims", "pet"))
+def _lax_fwd_bwd(lhs, rhs, dy, *, dims, pet=None):
+    f = lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=pet)
+    y, vjp = jax.vjp(f, lhs, rhs)
+    return (y, *vjp(dy.astype(y.dtype)))
+
+
+def _assert_close(got, want_and_scale, what, rtol=1e-5):
+    want, scale, *room = want_and_scale  # room: legitimate float32-rotation flips (mx_reference)
+    got = np.asarray(got)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert got.dtype == np.float32, (what, got.dtype)
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bound = rtol * scale + (room[0] if room else 0.0) + 1e-30
+    bad = ~(err <= bound)
+    if bad.any():
+        i = tuple(np.argwhere(bad)[0])
+        rel = (err / np.maximum(scale, 1e-30)).max()
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {bad.size} outside {rtol} * |A||B|; first {i}: got {got[i]!r} "
+            f"want {want[i]!r} (scale {scale[i]:.4g}); max err / scale {rel:.3g}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The preset table.
+
+
+def _describe_operand(q: QuantSpec):
+    if q.kind == "none":
+        return ("none",)
+    if q.kind == "fp8":
+        return ("fp8", q.elem, q.fp8_scaling)
+    return ("mx", q.elem, q.block_size, q.scale_mode, q.rounding)
+
+
+def _describe_expected(op: ref.Operand, delayed: bool):
+    if op.kind == "none":
+        return ("none",)
+    if op.kind == "fp8":
+        return ("fp8", op.elem, "delayed" if delayed else "current")
+    return ("mx", op.elem, op.block_size, op.scale_mode, op.rounding)
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_preset_matches_contract_table(name):
+    recipe = PRESETS[name]
+    assert isinstance(recipe, Recipe) and recipe.name == name
+    assert get_recipe(name) is recipe and get_recipe(recipe) is recipe
+    for gemm in GEMMS:
+        spec = getattr(recipe, gemm)
+        a_op, b_op, rot = CONTRACT[name][gemm]
+        delayed = name == "fp8_delayed"
+        assert _describe_operand(spec.lhs) == _describe_expected(a_op, delayed), (gemm, "lhs", spec.lhs)
+        assert _describe_operand(spec.rhs) == _describe_expected(b_op, delayed), (gemm, "rhs", spec.rhs)
+        if rot is None:
+            assert spec.rotation.kind == "none", (gemm, spec.rotation)
+        else:
+            assert (spec.rotation.kind, spec.rotation.size) == rot, (gemm, spec.rotation)
+            if rot[0] == "random":
+                assert spec.rotation.signs == "per_call"  # re-drawn every step
+    assert recipe.needs_key == (name in ("mxfp4_full_sr", "mxfp4_full_rht"))
+
+
+def test_preset_names():
+    assert set(PRESETS) == set(CONTRACT)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bf16 recipe == lax.dot_general.
+
+
+@pytest.mark.parametrize("case", sorted(DIMS))
+def test_bf16_recipe_equals_lax_dot_general(case):
+    lhs_shape, rhs_shape, dims, subs = DIMS[case]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=1)
+    got = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe="bf16")
+    want = _lax_fwd_bwd(lhs, rhs, dy, dims=dims)
+    scales = _reference("bf16", lhs, rhs, dy, subs)
+    for g, w, (_, scale, _), what in zip(got, want, scales, ("y", "dlhs", "drhs"), strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, g.dtype, w.dtype, g.shape, w.shape)
+        _assert_close(g, (np.asarray(w), scale), f"{case} {what}", rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every deterministic preset == the reference, linear layers (2-D and 3-D activations).
+
+
+@pytest.mark.parametrize(
+    "name,case",
+    [(n, "2d") for n in DETERMINISTIC] + [(n, "3d_activations") for n in ("fp8", "mxfp4_full_h32", "mxfp8")],
+)
+def test_preset_matches_reference(name, case):
+    lhs_shape, rhs_shape, dims, subs = DIMS[case]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=2)
+    got = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=name)
+    want = _reference(name, lhs, rhs, dy, subs)
+    for g, w, what in zip(got, want, ("fprop y", "dgrad dx", "wgrad dW"), strict=True):
+        _assert_close(g, w, f"{name} {case} {what}")
+
+
+@pytest.mark.parametrize("case", sorted(DIMS))
+@pytest.mark.parametrize("name", ["mxfp4_full_h16"])
+def test_dimension_numbers_match_reference(name, case):
+    lhs_shape, rhs_shape, dims, subs = DIMS[case]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=3)
+    got = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=name)
+    want = _reference(name, lhs, rhs, dy, subs)
+    for g, w, what in zip(got, want, ("y", "dlhs", "drhs"), strict=True):
+        _assert_close(g, w, f"{name} {case} {what}")
+
+
+@pytest.mark.parametrize("name", ["mxfp4_full_h16", "mxfp4_full_h16_wgrad_only"])
+def test_rotated_exact_ties_round_half_even(name):
+    # Coarse inputs (multiples of 1/4, 1/32) rotate exactly with H16 (entries +-1/4): many exact ties after
+    # rotation, which nearest_even and nearest_away resolve differently.
+    rng = np.random.default_rng(14)
+    lhs = (rng.integers(-24, 25, (40, 48)) / 4).astype(np.float32)
+    rhs = (rng.integers(-24, 25, (48, 24)) / 32).astype(np.float32)
+    dy = (rng.integers(-24, 25, (40, 24)) / 4).astype(np.float32)
+    subs = ("tk", "kn", "tn")
+    got = _fwd_bwd(lhs, rhs, dy, dims=(((1,), (0,)), ((), ())), recipe=name)
+    want = _reference(name, lhs, rhs, dy, subs)
+    assert all((w[2] == 0).all() for w in want)  # exact rotations: no room for float32 rotation error
+    for g, w, what in zip(got, want, GEMMS, strict=True):
+        _assert_close(g, w, f"{name} exact ties {what}")
+
+
+def test_quantization_actually_happens():
+    # Guards the tolerance: the MXFP4 result is far from the unquantized one on the same scale.
+    lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=2)
+    y = np.asarray(_fwd_bwd(lhs, rhs, dy, dims=dims, recipe="mxfp4_full")[0])
+    exact, scale, _ = _reference("bf16", lhs, rhs, dy, subs)[0]
+    assert np.median(np.abs(y - exact) / scale) > 1e-3
+
+
+def test_fp8_delayed_uses_history_scales_and_returns_updated_histories():
+    """Delayed scaling (owner's decision, Transformer-Engine style): each operand's scale comes from its
+    incoming amax history (Fprop x: "lhs", W: "rhs"; Dgrad dy: "grad", W: "rhs"; Wgrad x: "lhs", dy: "grad");
+    the cotangent of fp8_meta is the histories with this call's amax rolled in at index 0."""
+    lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=12)
+    amax = lambda v: np.float32(np.abs(v).max())
+    f32 = np.float32
+    meta = {  # stale histories: x's scale too large (saturates), W's too small, dy's close
+        "lhs": np.array([amax(lhs) * 0.25, 1.0, 0.0, 0.0], f32),
+        "rhs": np.array([0.01, amax(rhs) * 4, 0.0, 0.0], f32),
+        "grad": np.array([0.0, 0.0, amax(dy) * 0.9, 0.0], f32),
+    }
+
+    @jax.jit
+    def run(a, b, m, g):
+        y, vjp = jax.vjp(
+            lambda a, b, m: mx_dot_general(a, b, dims, recipe="fp8_delayed", fp8_meta=m), a, b, m
+        )
+        return (y, *vjp(g))
+
+    y, dx, dw, new_meta = run(lhs, rhs, meta, dy)
+    s_x = ref.fp8_scale_from_history(meta["lhs"], "e4m3")
+    s_w = ref.fp8_scale_from_history(meta["rhs"], "e4m3")
+    s_g = ref.fp8_scale_from_history(meta["grad"], "e5m2")
+    x_op, w_op = Op("fp8", "e4m3", fp8_scale=s_x), Op("fp8", "e4m3", fp8_scale=s_w)
+    g_op = Op("fp8", "e5m2", fp8_scale=s_g)
+    _assert_close(
+        y, ref.quantized_dot(lhs, "tk", rhs, "kn", "tn", x_op, w_op, return_abs=True), "delayed fprop"
+    )
+    _assert_close(
+        dx, ref.quantized_dot(dy, "tn", rhs, "kn", "tk", g_op, w_op, return_abs=True), "delayed dgrad"
+    )
+    _assert_close(
+        dw, ref.quantized_dot(lhs, "tk", dy, "tn", "kn", x_op, g_op, return_abs=True), "delayed wgrad"
+    )
+    for role, v in (("lhs", lhs), ("rhs", rhs), ("grad", dy)):
+        np.testing.assert_array_equal(np.asarray(new_meta[role]), ref.fp8_amax_history_update(meta[role], v))
+    with pytest.raises(ValueError):
+        mx_dot_general(lhs, rhs, dims, recipe="fp8_delayed")  # no fp8_meta
+
+
+def _sharded(v, spec):
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    return jax.device_put(v, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def test_sharded_tokens_match_reference_and_unsharded():
+    # Tokens sharded over all 8 devices (8 per shard): Wgrad's 32-blocks along T span four shards.
+    subs = ("tk", "kn", "tn")
+    lhs, rhs, dy = _inputs((64, 48), (48, 24), subs, seed=13)
+    dims = (((1,), (0,)), ((), ()))
+    tokens = (("data", "model"), None)
+    xs, ws, dys = _sharded(lhs, tokens), _sharded(rhs, (None, None)), _sharded(dy, tokens)
+    got = _fwd_bwd(xs, ws, dys, dims=dims, recipe="mxfp4_full_h16")
+    for g, w, what in zip(got, _reference("mxfp4_full_h16", lhs, rhs, dy, subs), GEMMS, strict=True):
+        _assert_close(g, w, f"sharded {what}")
+    # Stochastic rounding draws the same bits whatever the sharding.
+    key = jax.random.key(3)
+    sharded = _fwd_bwd(xs, ws, dys, key, dims=dims, recipe="mxfp4_full_sr")
+    single = _fwd_bwd(lhs, rhs, dy, key, dims=dims, recipe="mxfp4_full_sr")
+    for a, b, (_, scale, _), what in zip(
+        sharded, single, _reference("mxfp4_full", lhs, rhs, dy, subs), GEMMS, strict=True
+    ):
+        _assert_close(a, (np.asarray(b), scale), f"sr sharded vs unsharded {what}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output dtypes.
+
+
+@pytest.mark.parametrize("name", ["bf16", "mxfp4_full"])
+def test_output_dtype_and_preferred_element_type(name):
+    lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=4)
+    lb, rb, dyb = (jnp.asarray(v, jnp.bfloat16) for v in (lhs, rhs, dy))
+    for pet in (None, jnp.float32):
+        got = _fwd_bwd(lb, rb, dyb, dims=dims, recipe=name, pet=pet)
+        want = _lax_fwd_bwd(lb, rb, dyb, dims=dims, pet=pet)
+        for g, w, what in zip(got, want, ("y", "dlhs", "drhs"), strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape, (name, pet, what, g.dtype, w.dtype)
+    # Values: bf16 inputs are exact in float32, so the reference applies; one bf16 output rounding.
+    y = _fwd_bwd(lb, rb, dyb, dims=dims, recipe=name)[0]
+    want, scale, _ = _reference(name, lb.astype(jnp.float32), rb.astype(jnp.float32), dy, subs)[0]
+    err = np.abs(np.asarray(y, np.float32) - want)
+    assert (err <= 2.0**-8 * np.abs(want) + 1e-5 * scale).all()
+    y32 = _fwd_bwd(lb, rb, dyb, dims=dims, recipe=name, pet=jnp.float32)[0]
+    _assert_close(y32, (want, scale), f"{name} bf16 inputs, float32 output")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stochastic rounding preset.
+
+
+def test_sr_preset_keys_and_forward():
+    lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=5)
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    a = _fwd_bwd(lhs, rhs, dy, k1, dims=dims, recipe="mxfp4_full_sr")
+    b = _fwd_bwd(lhs, rhs, dy, k1, dims=dims, recipe="mxfp4_full_sr")
+    c = _fwd_bwd(lhs, rhs, dy, k2, dims=dims, recipe="mxfp4_full_sr")
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b[i]))
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(c[0]))  # Fprop rounds to nearest
+    assert (np.asarray(a[1]) != np.asarray(c[1])).any() and (np.asarray(a[2]) != np.asarray(c[2])).any()
+    _assert_close(a[0], _reference("mxfp4_full_sr", lhs, rhs, dy, subs)[0], "sr fprop")
+    with pytest.raises(ValueError):
+        mx_dot_general(lhs, rhs, dims, recipe="mxfp4_full_sr")  # no key
+
+
+def test_sr_gradients_are_unbiased():
+    """Mean over n keys of each SR gradient -> E[Q(a)] E[Q(b)] (operands drawn independently), computed
+    exactly by the reference. Bound: 5 sample standard deviations of the mean, plus the float32 scale."""
+    lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=6)
+    n = 400
+    keys = jax.random.split(jax.random.key(0), n)
+    run = jax.jit(jax.vmap(lambda k: _fwd_bwd(lhs, rhs, dy, k, dims=dims, recipe="mxfp4_full_sr")[1:]))
+    dlhs, drhs = (np.asarray(v, np.float64) for v in run(keys))
+    want = _reference("mxfp4_full_sr", lhs, rhs, dy, subs)[1:]
+    nearest = _reference("mxfp4_full", lhs, rhs, dy, subs)[1:]
+    for samples, (expect, scale, _), (rne, _, _), what in zip(
+        (dlhs, drhs), want, nearest, ("dgrad", "wgrad"), strict=True
+    ):
+        mean, sd = samples.mean(0), samples.std(0, ddof=1)
+        err = np.abs(mean - expect)
+        bound = 5 * sd / np.sqrt(n) + 1e-5 * scale
+        assert (err <= bound).all(), (what, np.argwhere(err > bound)[:5], (err / bound).max())
+        z = (mean - expect)[sd > 0] / (sd[sd > 0] / np.sqrt(n))
+        assert abs(z.mean()) < 5 / np.sqrt(z.size), (what, z.mean())
+        assert (sd > 0).mean() > 0.9, what  # the gradients really are random
+        # SR's mean is not the round-to-nearest result.
+        assert (np.abs(mean - rne) > bound).any(), what
+
+
+# ----------------------------------------------------------------------------------------------------
+# Random Hadamard preset: identify the shared sign vector by exhaustive search, then check exactly.
+
+
+def _sign_classes():
+    """Coset representatives of {+-1}^16 modulo the group {+-h_j} (rows of the +-1 Hadamard matrix).
+
+    s -> s * h_j only permutes the columns of each rotated block (D_h H = H P_j) in both operands alike, and
+    s -> -s flips both operands; neither changes the quantized product, so signs are identifiable only up to
+    this 32-element group. Returns (representatives (2048, 16), class code of every sign vector)."""
+    all_signs = np.array(list(itertools.product([1, -1], repeat=16)), np.int8)  # (65536, 16)
+    group = np.concatenate([np.sign(ref.hadamard(16)), -np.sign(ref.hadamard(16))]).astype(np.int8)
+    weights = 1 << np.arange(16)
+    orbit_codes = ((all_signs[:, None, :] * group[None]) > 0).astype(np.int64) @ weights  # (65536, 32)
+    canonical = orbit_codes.min(axis=1)
+    reps = np.unique(canonical)
+    bits = (reps[:, None] >> np.arange(16)) & 1
+    return np.where(bits == 1, 1.0, -1.0), canonical
+
+
+_SIGN_REPS, _SIGN_CLASS = _sign_classes()
+
+
+def _class_of(signs) -> int:
+    code = int(((np.asarray(signs) > 0).astype(np.int64) << np.arange(16)).sum())
+    return int(_SIGN_CLASS[code])
+
+
+def _rotate_candidates(v, signs):
+    """v (r, c) rotated along its last axis with each candidate sign vector: (n_signs, r, c), float32."""
+    vb = v.astype(np.float64).reshape(v.shape[0], -1, 16)
+    out = np.einsum("rbj,sj,jl->srbl", vb, signs, ref.hadamard(16))
+    return out.reshape(len(signs), *v.shape).astype(np.float32).astype(np.float64)
+
+
+def _find_signs(a_rows, b_cols, got, op):
+    """Sign classes s for which Q(a D_s H) Q(H D_s b) reproduces got[:2, :2]; a_rows (2, C), b_cols (C, 2)."""
+    kw = dict(axis=-1, elem=op.elem, block_size=op.block_size, scale_mode=op.scale_mode)
+    qa = ref.quantize_mx(_rotate_candidates(a_rows, _SIGN_REPS), **kw).dequantize64()
+    qb = ref.quantize_mx(_rotate_candidates(b_cols.T, _SIGN_REPS), **kw).dequantize64()
+    prod = np.einsum("sik,sjk->sij", qa, qb)
+    scale = np.einsum("sik,sjk->sij", np.abs(qa), np.abs(qb))
+    ok = (np.abs(prod - got[None, :2, :2]) <= 1e-5 * scale + 1e-30).all(axis=(1, 2))
+    return _SIGN_REPS[ok]
+
+
+def test_sign_classes():
+    assert _SIGN_REPS.shape == (2048, 16)
+    # Every member of a class gives the same quantized product (the symmetry the search relies on).
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 32)).astype(np.float32)
+    b = rng.standard_normal((32, 2)).astype(np.float32)
+    s = _SIGN_REPS[123]
+    h = np.sign(ref.hadamard(16))[5]
+    ys = [ref.quantized_dot(a, "mk", b, "kn", "mn", MX4, MX4, rotation=16, signs=v) for v in (s, -s * h)]
+    np.testing.assert_allclose(ys[0], ys[1], rtol=1e-6)
+    assert _class_of(s) == _class_of(-s * h) != _class_of(_SIGN_REPS[124])
+
+
+def test_rht_preset_uses_shared_random_signs():
+    """The rht output equals the reference for some sign vector shared by both operands of each GEMM
+    (found by exhaustive search over the 2048 sign classes), and a new key draws new signs."""
+    t, k, n = 32, 32, 32  # every contraction is one MX block = two rotation blocks
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    x[:, 5] *= 100
+    w = (rng.standard_normal((k, n)) / 8).astype(np.float32)
+    dy = rng.standard_normal((t, n)).astype(np.float32)
+    dy[:, 2] *= 100
+    dims = (((1,), (0,)), ((), ()))
+    subs = ("tk", "kn", "tn")
+    found = {}
+    for seed in (1, 2):
+        key = jax.random.key(seed)
+        y, dx, dw = (np.asarray(v) for v in _fwd_bwd(x, w, dy, key, dims=dims, recipe="mxfp4_full_rht"))
+        again = _fwd_bwd(x, w, dy, key, dims=dims, recipe="mxfp4_full_rht")
+        for a, b in zip((y, dx, dw), again, strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))
+        # Operands of each GEMM as (rows, contraction) and (contraction, cols).
+        s_f = _find_signs(x[:2], w[:, :2], y, MX4)
+        s_d = _find_signs(dy[:2], w.T[:, :2], dx, MX4)
+        s_w = _find_signs(x.T[:2], dy[:, :2], dw, MX4)
+        for what, s in (("fprop", s_f), ("dgrad", s_d), ("wgrad", s_w)):
+            assert len(s) >= 1, f"{what}: no shared sign vector reproduces the output (seed {seed})"
+        signs = (s_f[0], s_d[0], s_w[0])
+        want = _reference("mxfp4_full_rht", x, w, dy, subs, signs=signs)
+        for g, ws, what in zip((y, dx, dw), want, GEMMS, strict=True):
+            _assert_close(g, ws, f"rht {what} with the identified signs")
+        found[seed] = [{_class_of(v) for v in s} for s in (s_f, s_d, s_w)]
+    # Per-call signs: a new key draws new signs (same class by chance: 1/2048).
+    assert not (found[1][0] & found[2][0]), "fprop signs did not change with the key"
+
+
+def test_random_rotation_cancels_without_quantization():
+    rot = RotationSpec(kind="random", size=16, signs="per_call")
+    recipe = Recipe(fprop=GemmSpec(rotation=rot), dgrad=GemmSpec(rotation=rot), wgrad=GemmSpec(rotation=rot))
+    assert recipe.needs_key
+    lhs_shape, rhs_shape, dims, subs = DIMS["3d_activations"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=9)
+    got = _fwd_bwd(lhs, rhs, dy, jax.random.key(0), dims=dims, recipe=recipe)
+    want = _reference("bf16", lhs, rhs, dy, subs)
+    for g, w, what in zip(got, want, ("y", "dx", "dW"), strict=True):
+        _assert_close(g, w, f"random rotation, unquantized: {what}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Recipes: names, hashing, jit, back ends, make_dot_general.
+
+
+def test_unknown_recipe_lists_valid_names():
+    for call in (
+        lambda: get_recipe("nope"),
+        lambda: mx_dot_general(jnp.ones((2, 32)), jnp.ones((32, 2)), (((1,), (0,)), ((), ())), recipe="nope"),
+    ):
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = str(err.value)
+        assert "nope" in msg and all(name in msg for name in PRESETS), msg
+
+
+def test_recipes_are_hashable_static_args():
+    for name, recipe in PRESETS.items():
+        assert hash(recipe) == hash(dataclasses.replace(recipe)) and recipe == dataclasses.replace(recipe), (
+            name
+        )
+    assert len({PRESETS[n] for n in PRESETS}) == len(PRESETS)
+    custom = dataclasses.replace(PRESETS["mxfp4_full"], name="custom_full")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 32)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((32, 4)), jnp.float32)
+    f = jax.jit(
+        lambda a, b, recipe: mx_dot_general(a, b, (((1,), (0,)), ((), ())), recipe=recipe),
+        static_argnames="recipe",
+    )
+    np.testing.assert_array_equal(
+        np.asarray(f(x, w, recipe=custom)), np.asarray(f(x, w, recipe=PRESETS["mxfp4_full"]))
+    )
+    np.testing.assert_array_equal(
+        np.asarray(f(x, w, recipe="mxfp4_full")), np.asarray(f(x, w, recipe=PRESETS["mxfp4_full"]))
+    )
+
+
+def test_fp8_backend_slot_says_it_is_not_built():
+    """The Hopper back end's slot exists; until it is built, choosing it is a clear error, not a fallback."""
+    x = jnp.ones((4, 32), jnp.float32)
+    recipe = dataclasses.replace(PRESETS["mxfp4_full"], backend="fp8")
+    with pytest.raises(NotImplementedError, match="'fp8'.*use backend='emulate' or 'native'"):
+        mx_dot_general(x, x.T, (((1,), (0,)), ((), ())), recipe=recipe)
+
+
+@pytest.mark.parametrize("name,backend", [("mxfp4_full", "native"), ("mxfp8", "native")])
+def test_backends_equal_emulate(name, backend):
+    lhs_shape, rhs_shape, dims, subs = DIMS["3d_activations"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=10)
+    emulate = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=dataclasses.replace(PRESETS[name], backend="emulate"))
+    other = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=dataclasses.replace(PRESETS[name], backend=backend))
+    want = _reference(name, lhs, rhs, dy, subs)
+    for e, o, (_, scale, _), what in zip(emulate, other, want, ("y", "dx", "dW"), strict=True):
+        _assert_close(o, (np.asarray(e), scale), f"{name} {backend} vs emulate: {what}")
+
+
+def test_make_dot_general_is_a_drop_in():
+    lhs_shape, rhs_shape, dims, subs = DIMS["3d_activations"]
+    lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=11)
+    dg = make_dot_general("mxfp4_full_h16")
+    y = jax.jit(lambda a, b: dg(a, b, dims, None, None))(lhs, rhs)
+    _assert_close(y, _reference("mxfp4_full_h16", lhs, rhs, dy, subs)[0], "make_dot_general")
+    y2 = jax.jit(
+        lambda a, b: dg(a, b, dims, precision=None, preferred_element_type=jnp.float32, out_sharding=None)
+    )(lhs, rhs)
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
