@@ -95,7 +95,9 @@ def _unbox_no_constraint(tree: Any) -> Any:
     """The values inside metadata boxes, without the sharding constraint `unbox()` applies under a mesh."""
 
     def value(x):
-        return x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x.unbox()
+        if isinstance(x, nn.Partitioned):
+            return x.unbox(apply_constraint=False)
+        return x.unbox() if isinstance(x, nn.meta.AxisMetadata) else x  # plain leaves: replicated
 
     return jax.tree.map(value, tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 

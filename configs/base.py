@@ -1,0 +1,109 @@
+"""Shared base: every key the trainer reads; the defaults are the MLPerf Training llama3.1_8b setup.
+
+Other configs start from `get_config()` and change a few keys. Any key can be set on the command line:
+`--config.global_batch=64 --config.mesh.fsdp=8`; an unknown key is an error.
+
+Keys:
+- seed, recipe (a name in fp4jax.ops.PRESETS), steps (update budget), max_tokens (token budget; 0 = none).
+- model.size ("8b", "1b", "350m", "125m", "tiny") plus optional LlamaConfig overrides (None = the size's
+  value; model.vocab_size None = the tokenizer's vocabulary rounded up to a multiple of 128).
+- global_batch (sequences per update), seq_len, grad_accum (micro-batches per update).
+- optimizer: AdamW; peak_lr / warmup_steps None = the MLPerf table for global_batch (16 -> 4e-4/16,
+  32 -> 8e-4/128, 64 -> 8e-4/96, 128 -> 2e-3/256); cosine to end_lr_ratio x peak at lr_decay_steps;
+  weight_decay_mask "matrices" (no decay on norm scales, Megatron's default) or "all".
+- Evaluation (MLPerf protocol): eval_sequences from the start of the unshuffled validation stream, every
+  eval_every_sequences training sequences; stop when the mean loss <= target_eval_loss (stop_at_target).
+- Checkpoints: every checkpoint_every_steps (0 = only final/preemption), keep_checkpoints, init_checkpoint
+  (start from another run's checkpoint when the workdir has none).
+- mesh.data / mesh.fsdp / mesh.tensor (-1 = the remaining devices); data: fp4jax.data's config.
+- debug_nan_at_step: poison update N's loss and gradients (tests the NaN guard); 0 = off.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from fp4jax.data import MLPERF_TRAIN_GLOB, default_data_config
+
+# BF16 reference at global batch 32 (REFERENCE.md section 3): ~179.4k sequences = ~5.6k steps to reach 3.3.
+MLPERF_EVAL_EVERY_SEQUENCES = 12_288
+MLPERF_EVAL_SEQUENCES = 1024
+
+
+def model_config(size: str) -> ml_collections.ConfigDict:
+    """model.size and typed placeholders for every LlamaConfig field that can be overridden."""
+    p = config_dict.placeholder
+    return ml_collections.ConfigDict(
+        {
+            "size": size,
+            "vocab_size": p(int),
+            "d_model": p(int),
+            "n_layers": p(int),
+            "n_heads": p(int),
+            "n_kv_heads": p(int),
+            "head_dim": p(int),
+            "d_ff": p(int),
+            "rope_theta": p(float),
+            "rope_scaling": p(bool),
+            "norm_eps": p(float),
+            "init_std": p(float),
+            "max_seq_len": p(int),
+            "dtype": p(str),
+            "param_dtype": p(str),
+            "scan_layers": p(bool),
+            "remat": p(str),
+            "attention": p(str),
+            "bf16_first_blocks": p(int),
+            "bf16_last_blocks": p(int),
+        }
+    )
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.recipe = "bf16"
+    c.model = model_config("8b")
+
+    c.global_batch = 32
+    c.seq_len = 8192
+    c.grad_accum = 1
+    c.steps = 12_000  # budget: ~2x the ~5.6k steps the BF16 reference needs to reach 3.3
+    c.max_tokens = 0
+
+    c.optimizer = ml_collections.ConfigDict(
+        {
+            "peak_lr": config_dict.placeholder(float),
+            "warmup_steps": config_dict.placeholder(int),
+            "lr_decay_steps": 1_200_000,
+            "end_lr_ratio": 0.1,
+            "b1": 0.9,
+            "b2": 0.95,
+            "eps": 1e-5,
+            "weight_decay": 0.1,
+            "weight_decay_mask": "matrices",
+            "clip_grad_norm": 1.0,
+        }
+    )
+
+    c.eval_every_sequences = MLPERF_EVAL_EVERY_SEQUENCES
+    c.eval_sequences = MLPERF_EVAL_SEQUENCES
+    c.eval_batch_size = 8  # sequences per eval step; 8 x 8192 fp32 logits are 4.2 GB per sequence
+    c.target_eval_loss = 3.3
+    c.stop_at_target = True
+    c.eval_at_end = False
+
+    c.checkpoint_every_steps = 384
+    c.keep_checkpoints = 3
+    c.async_checkpointing = True
+    c.init_checkpoint = ""
+
+    # FSDP over every device: fp32 master weights + Adam moments of 8B (128 GB) do not fit replicated.
+    c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+    c.data = default_data_config()
+    c.data.tokenizer = "llama3"
+    c.data.train_glob = MLPERF_TRAIN_GLOB  # allenai/c4 en files 00768-00895; set data.path to their directory
+
+    c.progress_bar = True
+    c.tensorboard = True
+    c.debug_nan_at_step = 0
+    return c

@@ -1,0 +1,89 @@
+"""Run metrics: metrics.jsonl, TensorBoard events, the progress bar, and MFU.
+
+metrics.jsonl holds one JSON object per line. Training lines: step, loss, grad_norm, lr, tokens, sequences,
+step_time_s, tokens_per_s, mfu (when the device's peak is known). Evaluation lines: step, loss (= eval_loss),
+eval_loss, tokens, sequences, eval_time_s. `step` counts optimizer updates done; a training line's loss is
+the loss of the batch that update `step` used.
+"""
+
+import json
+import os
+
+import jax
+
+# Peak dense BF16 FLOP/s per device, matched by substring of jax's device_kind, most specific first.
+# H100/H200 SXM: 989.4 TFLOP/s. MI355X: 256 CUs x 4096 BF16 FLOP/clk x 2.4 GHz = 2.52 PFLOP/s (AMD lists
+# 2.5 PF dense FP16/BF16); MI350X at 2.2 GHz: 2.3 PF. MI300X/MI325X: 1307 TFLOP/s. B200: 2.25 PFLOP/s.
+PEAK_BF16_FLOPS = (
+    ("MI355", 2.5e15),
+    ("MI350", 2.3e15),
+    ("MI325", 1.307e15),
+    ("MI300X", 1.307e15),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("B200", 2.25e15),
+    ("A100", 312e12),
+)
+
+
+def peak_flops_per_device(device_kind: str) -> float | None:
+    """Peak dense BF16 FLOP/s of one device of this kind, or None when unknown (CPU: MFU is omitted)."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_kind.lower():
+            return flops
+    return None
+
+
+class MetricsWriter:
+    """Appends metric lines to <workdir>/metrics.jsonl and TensorBoard; only process 0 writes."""
+
+    def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int = 0):
+        self.enabled = jax.process_index() == 0
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.tb = None
+        if not self.enabled:
+            return
+        truncate_metrics(self.path, resume_step)
+        self.file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, record: dict):
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record, sort_keys=True) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            prefix = "eval/" if "eval_loss" in record else "train/"
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self.tb.add_scalar(prefix + key, value, record["step"])
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def truncate_metrics(path: str, last_step: int):
+    """Drop lines after `last_step` (written by a run that was interrupted after its last checkpoint).
+
+    A resumed run re-does those steps, so keeping them would list them twice; at last_step 0 the file
+    starts empty.
+    """
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """All records of <workdir>/metrics.jsonl."""
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
