@@ -1,0 +1,99 @@
+"""Training throughput and MFU of the real trainer, one recipe after another in one process.
+
+    PYTHONPATH=. python benchmarks/bench_train.py --config configs/llama1b_pg_bf16.py \
+        --recipes bf16,fp8,mxfp4_full_h16 --steps 30 [--out FILE.md] [--config.KEY=VALUE ...]
+
+Each recipe trains `--steps` updates through `fp4jax.train.train` (the real data pipeline, jitted step,
+one-step-behind metrics) with evaluation and checkpoints off. The table reports the median over the
+updates after the first `--skip` (compilation and warm-up) of tokens/s and MFU as the trainer logs them,
+plus the last training loss, so a recipe that diverges shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp4jax import train as trainer  # noqa: E402
+
+
+def load_config(path: str, overrides: list[str]):
+    """The config file with --config.KEY=VALUE overrides applied, through the trainer's own flag parser."""
+    config, _, _ = trainer.parse_flags(["bench", f"--config={path}", *overrides])
+    return config
+
+
+def bench_recipe(config, recipe: str, steps: int, skip: int) -> dict:
+    config = config.copy_and_resolve_references()
+    config.recipe = recipe
+    config.steps = steps
+    config.eval_every_sequences, config.eval_at_end = 0, False
+    config.checkpoint_every_steps, config.progress_bar, config.tensorboard = 0, False, False
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer.train(config, workdir)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if "eval_loss" not in line]
+    timed = [r for r in records if r["step"] > skip]
+    return {
+        "recipe": recipe,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "last_loss": records[-1]["loss"],
+    }
+
+
+def to_markdown(rows, config, command: str) -> str:
+    m = config.model
+    lines = [
+        f"### Train step on {jax.device_count()} x {jax.devices()[0].device_kind} "
+        f"({datetime.date.today().isoformat()}, jax {jax.__version__})",
+        "",
+        f"Model `{m.size}`, global batch {config.global_batch} x seq {config.seq_len}, remat "
+        f"`{m.remat or 'full'}`. Command: `{command}`",
+        "",
+        "| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | last loss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        lines.append(
+            f"| {r['recipe']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.3f} | {mfu} "
+            f"| {r['step_time_s']:.3f} | {r['last_loss']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--recipes", default="bf16,fp8,mxfp4_full_h16")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--skip", type=int, default=5, help="leading updates left out of the medians")
+    parser.add_argument("--out", default="")
+    args, overrides = parser.parse_known_args()
+    config = load_config(args.config, overrides)
+    rows = []
+    for recipe in args.recipes.split(","):
+        rows.append(bench_recipe(config, recipe, args.steps, args.skip))
+        print(json.dumps(rows[-1]), flush=True)
+    command = " ".join(["python benchmarks/bench_train.py", *sys.argv[1:]])
+    table = to_markdown(rows, config, command)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
