@@ -5,7 +5,6 @@ from fp4jax.ops import mx_dot_general, make_dot_general, QuantDotGeneral
 
 from fp4jax.ops.flax_adapters import NnxQuantDotGeneral, QuantDotGeneral
 from fp4jax.ops.formats import ELEM_FORMATS, ElemFormat, get_elem_format
-from fp4jax.ops.mx_dot import make_dot_general, mx_dot_general, operand_layouts
 from fp4jax.ops.quantize import (
     FP8Array,
     MXArray,
@@ -14,10 +13,13 @@ from fp4jax.ops.quantize import (
     quantize_fp8,
     quantize_mx,
 )
+from fp4jax.ops.quantized_dot import make_dot_general, mx_dot_general, operand_layouts
 from fp4jax.ops.recipes import PRESETS, GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
 
-mx_dot = mx_dot_general  # the short name used in the docs: `from fp4jax.ops import mx_dot`
+# The short name of DESIGN.md: `from fp4jax.ops import mx_dot`. (The module is quantized_dot.py, so that
+# `fp4jax.ops.mx_dot` is never ambiguous between a module and this function.)
+mx_dot = mx_dot_general
 
 __all__ = [
     "ELEM_FORMATS",

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from fp4jax.ops.mx_dot import mx_dot_general
+from fp4jax.ops.quantized_dot import mx_dot_general
 from fp4jax.ops.recipes import Recipe, get_recipe
 
 QUANT_RNG = "quant"
