@@ -5,8 +5,6 @@ Weight decay choice (see docs/training.md): decay every parameter with two or mo
 grouping, which the MLPerf NeMo reference runs on; `weight_decay_mask="all"` decays everything.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -32,16 +30,14 @@ def lr_schedule(peak_lr: float, warmup_steps: int, decay_steps: int, end_ratio: 
     as Megatron does, so the first update has LR peak / warmup rather than 0. Constant at the end value
     after `decay_steps`.
     """
-    end_lr = peak_lr * end_ratio
-
-    def schedule(count):
-        s = jnp.asarray(count, jnp.float32) + 1.0
-        warm = peak_lr * s / max(warmup_steps, 1)
-        frac = jnp.clip((s - warmup_steps) / max(decay_steps - warmup_steps, 1), 0.0, 1.0)
-        cosine = end_lr + (peak_lr - end_lr) * 0.5 * (1.0 + jnp.cos(math.pi * frac))
-        return jnp.where(s <= warmup_steps, warm, cosine)
-
-    return schedule
+    shifted = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=peak_lr,
+        warmup_steps=warmup_steps,
+        decay_steps=max(decay_steps, warmup_steps + 1),
+        end_value=peak_lr * end_ratio,
+    )
+    return lambda count: shifted(jnp.asarray(count) + 1)
 
 
 def weight_decay_mask(params, mode: str):
