@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
 import sys
+
+from fp4jax.training.metrics import read_metrics
 
 WARMUP_STEPS = 3  # steps that include compilation and are left out of throughput
 
@@ -35,14 +36,6 @@ class RunResult:
     best_eval_loss: float | None
     evals: tuple[tuple[int, float], ...]  # (tokens, eval loss)
     train: tuple[tuple[int, float], ...]  # (tokens, loss)
-
-
-def read_records(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist: run the config first (python -m fp4jax.ladder run)")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def tokens_to_target(evals, target: float) -> int | None:
@@ -150,7 +143,7 @@ def report(root: str, baseline: str, target: str, out: str | None) -> str:
     names = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "metrics.jsonl")))
     if baseline not in names:
         raise ValueError(f"baseline run {baseline!r} has no metrics under {root}: runs found: {names}")
-    records = {n: read_records(os.path.join(root, n)) for n in names}
+    records = {n: read_metrics(os.path.join(root, n)) for n in names}
     base = summarize(baseline, records[baseline], None)
     if target == "auto":
         if base.best_eval_loss is None:

@@ -31,7 +31,7 @@ def test_tokens_to_target_is_the_first_eval_at_or_below_target():
 
 
 def test_overhead_and_speedups(runs):
-    records = {n: ladder.read_records(str(runs / n)) for n in ("fp8", "h16", "full")}
+    records = {n: ladder.read_metrics(str(runs / n)) for n in ("fp8", "h16", "full")}
     results = [ladder.summarize(n, records[n], 3.3) for n in ("fp8", "h16", "full")]
     rows = {r["run"]: r for r in ladder.ladder_rows(results, results[0])}
     assert rows["fp8"]["token_overhead"] == 0.0

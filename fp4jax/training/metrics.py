@@ -84,6 +84,9 @@ def truncate_metrics(path: str, last_step: int):
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    """All records of <workdir>/metrics.jsonl."""
-    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    """All records of <workdir>/metrics.jsonl; FileNotFoundError naming the file when the run has none."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: train into {workdir} first")
+    with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
