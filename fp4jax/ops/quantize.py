@@ -215,8 +215,6 @@ def quantize_mx(
     fmt = get_elem_format(elem)
     x = jnp.asarray(x)
     axis = _check_mx_args(x, axis, block_size, scale_mode, rounding)
-    if rounding == "stochastic" and key is None:
-        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
 
     x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     blocks = x_last.reshape(*x_last.shape[:-1], -1, block_size)
