@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fp4jax.ops import hadamard, random_signs, rotate_blocks
+from fp4jax.ops.formats import require_power_of_two
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -28,10 +29,17 @@ def test_hadamard_is_orthonormal_sylvester(n):
         np.testing.assert_array_equal(s, np.block([[half, half], [half, -half]]))
 
 
-@pytest.mark.parametrize("n", [0, -4, 3, 6, 12, 24, 48])
+@pytest.mark.parametrize("n", [0, -4, 3, 6, 12, 24, 48, 16.0, True, "16"])
 def test_hadamard_rejects_non_powers_of_two(n):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"hadamard size must be a positive power of two.*got {n!r}"):
         hadamard(n)
+    with pytest.raises(ValueError, match="rotation size must be a positive power of two"):
+        rotate_blocks(jnp.ones((2, 48)), axis=-1, size=n)
+
+
+def test_require_power_of_two_accepts_powers_of_two():
+    for k in range(12):
+        require_power_of_two(2**k, "size")  # no error
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "size"))

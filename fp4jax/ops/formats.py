@@ -43,6 +43,16 @@ E5M2 = ElemFormat("e5m2", jnp.float8_e5m2, emax=15, emin=-14, mantissa_bits=2, m
 ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E2M1, E4M3, E5M2)}
 
 
+def require_power_of_two(n: int, what: str) -> None:
+    """Raises ValueError naming `what` unless n is a positive integer power of two (1, 2, 4, ...).
+
+    The one check behind every size that must tile a binary structure: MX block sizes, Hadamard and
+    rotation sizes. bool is rejected although it is an int subclass.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"{what} must be a positive power of two (1, 2, 4, ..., 16, 32, ...), got {n!r}")
+
+
 def get_elem_format(name: str | ElemFormat) -> ElemFormat:
     """Looks up an element format by name ("e2m1", "e4m3", "e5m2")."""
     if isinstance(name, ElemFormat):

@@ -16,10 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _check_power_of_two(n: int, what: str) -> None:
-    if not isinstance(n, int) or n < 1 or n & (n - 1):
-        raise ValueError(f"{what} must be a power of two (1, 2, 4, ..., 16, 32, ...), got {n!r}")
+from fp4jax.ops.formats import require_power_of_two
 
 
 @functools.cache
@@ -32,7 +29,7 @@ def _sylvester(n: int) -> np.ndarray:
 
 def hadamard(n: int) -> np.ndarray:
     """The orthonormal Sylvester-Hadamard matrix H_n / sqrt(n) as float32: symmetric, H H^T = I."""
-    _check_power_of_two(n, "hadamard size")
+    require_power_of_two(n, "hadamard size")
     return (_sylvester(n) / np.sqrt(n)).astype(np.float32)
 
 
@@ -46,7 +43,7 @@ def rotate_blocks(x: jax.Array, *, axis: int, size: int, signs: jax.Array | None
 
     Computed in float32 at full precision; returns float32. The inverse is v -> (v @ H_size) * signs.
     """
-    _check_power_of_two(size, "rotation size")
+    require_power_of_two(size, "rotation size")
     x = jnp.asarray(x, jnp.float32)
     axis %= x.ndim
     if x.shape[axis] % size:
