@@ -1,7 +1,7 @@
 """Single-GPU small-scale ladder: a 125M Llama on the pg_en books corpus (GPT-2 tokens), recipe bf16.
 
     python -m fp4jax.train --config configs/llama125m_pg_bf16.py \
-        --workdir runs/llama125m_pg_bf16 --config.data.path=/work/shared/data/pg_en
+        --workdir runs/llama125m_pg_bf16 --config.data.path=data/pg_en
 
 One H200 (or one MI355X). The other rungs (llama125m_pg_<rung>.py) change only the recipe. Token
 arithmetic: global batch 32 x 1024 = 32,768 tokens/step; 2,000 steps = 65.5M tokens, about 2 epochs of
@@ -11,22 +11,8 @@ calibrated on a BF16 run); runs go the full budget so every rung has a whole cur
 is reported at the first evaluation at or below it.
 """
 
-from configs import base
+from fp4jax.configs import ladder
 
 
 def get_config():
-    c = base.get_config()
-    c.recipe = "bf16"
-    c.model = base.model_config("125m")
-    c.mesh.update(data=-1, fsdp=1, tensor=1)
-    c.data = base.default_data_config()
-    c.data.update(
-        path="data/pg_en", train_glob="pg_en-train.*.json.gz", eval_glob="pg_en-validation.*.json.gz"
-    )
-    c.seq_len, c.global_batch = 1024, 32
-    c.steps = 2000
-    c.optimizer.update(peak_lr=1.5e-3, warmup_steps=100, lr_decay_steps=2000)
-    c.eval_every_sequences, c.eval_sequences, c.eval_batch_size = 6400, 256, 32
-    c.target_eval_loss, c.stop_at_target, c.eval_at_end = 4.0, False, True
-    c.checkpoint_every_steps = 500
-    return c
+    return ladder.rung("125m_pg", "bf16")

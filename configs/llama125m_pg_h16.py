@@ -1,15 +1,13 @@
 """Single-GPU ladder rung: 125M Llama on pg_en, recipe mxfp4_full_h16 (setup: llama125m_pg_bf16.py).
 
     python -m fp4jax.train --config configs/llama125m_pg_h16.py \
-        --workdir runs/llama125m_pg_h16 --config.data.path=/work/shared/data/pg_en
+        --workdir runs/llama125m_pg_h16 --config.data.path=data/pg_en
 
 32 x 1024 = 32,768 tokens/step, 2,000 steps = 65.5M tokens; eval every 200 steps.
 """
 
-from configs import llama125m_pg_bf16
+from fp4jax.configs import ladder
 
 
 def get_config():
-    c = llama125m_pg_bf16.get_config()
-    c.recipe = "mxfp4_full_h16"
-    return c
+    return ladder.rung("125m_pg", "mxfp4_full_h16")

@@ -1,13 +1,11 @@
 """Single-GPU 1B check, recipe mxfp4_full_h16 (setup and token arithmetic: llama1b_pg_bf16.py).
 
     python -m fp4jax.train --config configs/llama1b_pg_h16.py \
-        --workdir runs/llama1b_pg_h16 --config.data.path=/work/shared/data/pg_en
+        --workdir runs/llama1b_pg_h16 --config.data.path=data/pg_en
 """
 
-from configs import llama1b_pg_bf16
+from fp4jax.configs import ladder
 
 
 def get_config():
-    c = llama1b_pg_bf16.get_config()
-    c.recipe = "mxfp4_full_h16"
-    return c
+    return ladder.rung("1b_pg", "mxfp4_full_h16")

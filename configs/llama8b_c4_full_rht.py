@@ -12,10 +12,8 @@ The BF16 reference needs ~179.4k sequences ~ 1.47B tokens ~ 5.6k steps (15 evalu
 12,000 steps = 3.15B tokens.
 """
 
-from configs import base
+from fp4jax.configs import ladder
 
 
 def get_config():
-    c = base.get_config()
-    c.recipe = "mxfp4_full_rht"
-    return c
+    return ladder.rung("8b_c4", "mxfp4_full_rht")

@@ -8,25 +8,8 @@ first 32 validation sequences every 800 training sequences (100 updates). Short 
 GPT-2 vocabulary (50,304 logits per token) dominates the cost of so small a model.
 """
 
-from configs import base
+from fp4jax.configs import ladder
 
 
 def get_config():
-    c = base.get_config()
-    c.recipe = "mxfp4_full_h16"
-    c.model = base.model_config("tiny")
-    c.data = base.default_data_config()  # the bundled C4 sample, GPT-2 tokenizer
-    c.seq_len = 64
-    c.global_batch = 8
-    c.steps = 300
-    c.optimizer.peak_lr = 3e-3
-    c.optimizer.warmup_steps = 30
-    c.optimizer.lr_decay_steps = 300
-    c.eval_every_sequences = 800
-    c.eval_sequences = 32
-    c.eval_batch_size = 8
-    c.eval_at_end = True
-    c.target_eval_loss = 7.5  # reached by ~step 200 on CPU: shows the tokens-to-target bookkeeping
-    c.stop_at_target = False
-    c.checkpoint_every_steps = 100
-    return c
+    return ladder.rung("tiny_c4", "mxfp4_full_h16")

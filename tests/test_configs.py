@@ -3,19 +3,17 @@
 import glob
 import importlib.util
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # configs/*.py import `configs.base`
+from fp4jax.configs import base
+from fp4jax.models.llama import Llama
+from fp4jax.ops import PRESETS
+from fp4jax.train import build_model
 
-from configs import base  # noqa: E402
-from fp4jax.models.llama import Llama  # noqa: E402
-from fp4jax.ops import PRESETS  # noqa: E402
-from fp4jax.train import build_model  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if not p.endswith("__init__.py"))
 LADDER = {
@@ -53,10 +51,10 @@ class _Tok:
     name, vocab_size = "gpt2", 50257
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if not p.endswith("base.py")], ids=os.path.basename)
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_loads_and_its_model_eval_shapes(path):
     cfg = _load(path)
-    assert _keys(cfg) == _keys(base.get_config()), "a config adds or drops keys of configs/base.py"
+    assert _keys(cfg) == _keys(base.get_config()), "a config adds or drops keys of fp4jax/configs/base.py"
     assert cfg.recipe in PRESETS
     with open(path) as f:
         assert "python -m fp4jax.train --config configs/" + os.path.basename(path) in f.read()

@@ -17,6 +17,12 @@ Keys:
   (start from another run's checkpoint when the workdir has none).
 - mesh.data / mesh.fsdp / mesh.tensor (-1 = the remaining devices); data: fp4jax.data's config.
 - debug_nan_at_step: poison update N's loss and gradients (tests the NaN guard); 0 = off.
+- divergence: a run diverges at a non-finite loss or gradient norm, or, when spike_nats > 0, when the
+  mean of the last `window` training losses exceeds the lowest such mean seen so far by more than
+  spike_nats nats (0 = the spike rule is off). A diverged run writes its summary and exits 3.
+- diagnostics.every: run the per-GEMM quantization probe every N updates on the step's first
+  micro-batch (0 = off).
+- profile: capture a device trace of num_steps updates starting at update start_step (num_steps 0 = off).
 """
 
 import ml_collections
@@ -106,4 +112,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.progress_bar = True
     c.tensorboard = True
     c.debug_nan_at_step = 0
+    c.divergence = ml_collections.ConfigDict({"spike_nats": 0.0, "window": 20})
+    c.diagnostics = ml_collections.ConfigDict({"every": 0})
+    c.profile = ml_collections.ConfigDict({"start_step": 0, "num_steps": 0})
     return c

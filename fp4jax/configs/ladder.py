@@ -1,0 +1,102 @@
+"""The study's ladders: one set-up per scale, and a rung = that set-up with one recipe.
+
+    from fp4jax.configs import ladder
+    c = ladder.rung("8b_c4", "mxfp4_full_h16")   # what configs/llama8b_c4_h16.py returns
+
+A rung differs from its set-up's baseline only in `recipe`, so the ladder compares recipes and nothing
+else. Set-ups:
+- "8b_c4": Llama 3.1-8B on C4, the MLPerf llama3.1_8b setup (fp4jax.configs.base).
+- "125m_pg", "1b_pg": single-GPU checks on the pg_en books corpus (GPT-2 tokens).
+- "tiny_c4": the tiny model on the bundled C4 sample, on CPU in minutes.
+RUNGS maps each rung's file suffix (configs/llama8b_c4_<suffix>.py) to its preset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_collections
+
+from fp4jax.configs import base
+
+RUNGS: dict[str, str] = {
+    "bf16": "bf16",
+    "fp8": "fp8",
+    "fp8_delayed": "fp8_delayed",
+    "fprop": "mxfp4_fprop",
+    "fprop_dgrad": "mxfp4_fprop_dgrad",
+    "full": "mxfp4_full",
+    "full_sr": "mxfp4_full_sr",
+    "full_rht": "mxfp4_full_rht",
+    "h16": "mxfp4_full_h16",
+    "h32": "mxfp4_full_h32",
+    "h16_wgrad_only": "mxfp4_full_h16_wgrad_only",
+}
+
+
+def c4_8b() -> ml_collections.ConfigDict:
+    """MLPerf llama3.1_8b: batch 32 x 8192, eval every 384 steps, target 3.3 (see base)."""
+    return base.get_config()
+
+
+def pg_125m() -> ml_collections.ConfigDict:
+    """125M on pg_en: 32 x 1024 tokens/step, 2,000 steps (65.5M tokens), eval every 200 steps."""
+    c = base.get_config()
+    c.model = base.model_config("125m")
+    c.mesh.update(data=-1, fsdp=1, tensor=1)
+    c.data = base.default_data_config()
+    c.data.update(
+        path="data/pg_en", train_glob="pg_en-train.*.json.gz", eval_glob="pg_en-validation.*.json.gz"
+    )
+    c.seq_len, c.global_batch = 1024, 32
+    c.steps = 2000
+    c.optimizer.update(peak_lr=1.5e-3, warmup_steps=100, lr_decay_steps=2000)
+    c.eval_every_sequences, c.eval_sequences, c.eval_batch_size = 6400, 256, 32
+    c.target_eval_loss, c.stop_at_target, c.eval_at_end = 4.0, False, True
+    c.checkpoint_every_steps = 500
+    return c
+
+
+def pg_1b() -> ml_collections.ConfigDict:
+    """The "1b" Llama on pg_en: 16 x 2048 tokens/step, 3,000 steps (98.3M tokens), eval every 200 steps."""
+    c = pg_125m()
+    c.model = base.model_config("1b")
+    c.seq_len, c.global_batch = 2048, 16
+    c.steps = 3000
+    c.optimizer.update(peak_lr=6e-4, warmup_steps=200, lr_decay_steps=3000)
+    c.eval_every_sequences, c.eval_sequences, c.eval_batch_size = 3200, 128, 16
+    c.checkpoint_every_steps = 500
+    return c
+
+
+def tiny_c4() -> ml_collections.ConfigDict:
+    """The tiny model on the bundled C4 sample: 8 x 64 tokens/step, 300 steps, on CPU."""
+    c = base.get_config()
+    c.model = base.model_config("tiny")
+    c.data = base.default_data_config()  # the bundled C4 sample, GPT-2 tokenizer
+    c.seq_len, c.global_batch = 64, 8
+    c.steps = 300
+    c.optimizer.update(peak_lr=3e-3, warmup_steps=30, lr_decay_steps=300)
+    c.eval_every_sequences, c.eval_sequences, c.eval_batch_size = 800, 32, 8
+    c.eval_at_end = True
+    c.target_eval_loss = 7.5  # reached by ~step 200 on CPU: shows the tokens-to-target bookkeeping
+    c.stop_at_target = False
+    c.checkpoint_every_steps = 100
+    return c
+
+
+SETUPS: dict[str, Callable[[], ml_collections.ConfigDict]] = {
+    "8b_c4": c4_8b,
+    "125m_pg": pg_125m,
+    "1b_pg": pg_1b,
+    "tiny_c4": tiny_c4,
+}
+
+
+def rung(setup: str, recipe: str) -> ml_collections.ConfigDict:
+    """The set-up's config with `recipe` (a preset name); an unknown set-up is a ValueError."""
+    if setup not in SETUPS:
+        raise ValueError(f"unknown ladder set-up {setup!r}: use one of {', '.join(SETUPS)}")
+    c = SETUPS[setup]()
+    c.recipe = recipe
+    return c
