@@ -1,4 +1,4 @@
-"""GEMM back ends: one numerics, several ways to run it.
+"""GEMM back ends: one numerics, several ways to run it, and which one `auto` picks on which device.
 
 Every back end computes out[b, m, n] = sum_k a[b, m, k] * c[b, n, k] in float32 from quantized operands
 (both contract on their last axis). An operand is a plain array, an MXArray or an FP8Array.
@@ -7,48 +7,165 @@ Every back end computes out[b, m, n] = sum_k a[b, m, k] * c[b, n, k] in float32 
   bf16's 8-bit significand), FP8 operands multiplied in as their raw elements with the per-tensor scales
   applied to the float32 result; a plain dot_general with float32 accumulation. Runs everywhere.
 - `native`: MX x MX GEMMs through `jax.lax.scaled_dot` (float4_e2m1fn / float8 data, float8_e8m0fnu
-  scales), which XLA lowers to hipBLASLt block-scaled GEMMs on MI355X (gfx950) and cuDNN on Blackwell.
-  Other GEMMs run as in `emulate`.
-- `fp8`: the Hopper path (MX operands folded into E4M3 with a per-row exponent): not built yet.
-- `auto`: `native` where the device has MX matrix cores, else `emulate`.
+  scales), which XLA lowers to hipBLASLt block-scaled GEMMs on MI355X (gfx950) and cuDNN on Blackwell,
+  for the shapes `native_supports` accepts; other GEMMs and shapes run as in `emulate`.
+- `fp8`: E2M1 MX operands folded exactly into E4M3 with one exponent per row (fold.py), one plain FP8
+  dot_general with float32 accumulation (cuBLASLt FP8 on Hopper, hipBLASLt FP8 on MI300 with the FNUZ
+  types), the row exponents applied to its result. Also MX x FP8Array. MX operands with E4M3/E5M2
+  elements do not fold exactly into one E4M3 grid per row in general: those GEMMs run as in `emulate`.
+- `auto`: chosen from the device (`choose_backend`), or from the environment variable FP4JAX_GEMM_BACKEND.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+import re
+import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from fp4jax.ops.kernels import fold
 from fp4jax.ops.quantize import FP8Array, MXArray
+
+BACKENDS = ("auto", "emulate", "native", "fp8")
+ENV_VAR = "FP4JAX_GEMM_BACKEND"
 
 # Contract the last axis of both operands, batch over the first.
 _BMK_BNK = (((2,), (2,)), ((0,), (0,)))
 
 
+# ----------------------------------------------------------------------------------------------------
+# which back end, on which device
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceDescription:
+    """What dispatch needs to know about a device: vendor ("nvidia", "amd", "cpu", "tpu", or the jax
+    platform name), its name, and its architecture ("9.0" for an NVIDIA compute capability, "gfx942"
+    for an AMD GPU, "" when unknown)."""
+
+    vendor: str
+    name: str
+    arch: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    """A back end, the FP8 type its fold uses on this device, and the reason, for the start-up log."""
+
+    backend: str
+    fp8_dtype: Any
+    reason: str
+
+
+# AMD product names -> architecture, for runtimes that report only the name.
+_AMD_NAMES = {"MI300": "gfx942", "MI325": "gfx942", "MI350": "gfx950", "MI355": "gfx950", "MI250": "gfx90a"}
+
+
+def describe_device(device=None) -> DeviceDescription:
+    """The description of `device` (default: the first jax device), read defensively from its attributes."""
+    device = jax.devices()[0] if device is None else device
+    platform = str(getattr(device, "platform", "")).lower()
+    name = str(getattr(device, "device_kind", ""))
+    capability = str(getattr(device, "compute_capability", "") or "")
+    gfx = re.search(r"gfx[0-9a-f]+", f"{capability} {name}".lower())
+    if platform == "rocm" or gfx or "amd" in name.lower() or "instinct" in name.lower():
+        arch = gfx.group(0) if gfx else next((a for k, a in _AMD_NAMES.items() if k in name.upper()), "")
+        return DeviceDescription("amd", name, arch)
+    if platform in ("gpu", "cuda"):
+        return DeviceDescription("nvidia", name, capability)
+    return DeviceDescription(platform, name, "")
+
+
+def _compute_capability(arch: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*", arch)
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else (0, 0)
+
+
+def has_scaled_dot() -> bool:
+    """Whether this jax has `jax.lax.scaled_dot` (checked at run time: older releases do not)."""
+    return hasattr(jax.lax, "scaled_dot")
+
+
+def choose_backend(desc: DeviceDescription, *, scaled_dot: bool | None = None) -> BackendChoice:
+    """The dispatch table. gfx950 and compute capability >= 10: native MX GEMMs (fp8 if this jax has no
+    scaled_dot); gfx942 (MI300): fp8 with float8_e4m3fnuz; compute capability 9.x (Hopper): fp8; else
+    emulate."""
+    scaled_dot = has_scaled_dot() if scaled_dot is None else scaled_dot
+    ocp, fnuz = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
+    label = f"{desc.name or desc.vendor}"
+    if desc.vendor == "amd":
+        where = f"{label}, {desc.arch or 'unknown architecture'}"
+        if desc.arch == "gfx950":
+            if scaled_dot:
+                return BackendChoice("native", ocp, f"{where}: MX matrix cores via jax.lax.scaled_dot")
+            return BackendChoice("fp8", ocp, f"{where}; this jax has no jax.lax.scaled_dot")
+        if desc.arch == "gfx942":
+            return BackendChoice("fp8", fnuz, f"{where}: FP8 matrix cores, float8_e4m3fnuz")
+        return BackendChoice("emulate", ocp, f"{where}: no FP8/MX matrix cores known to fp4jax")
+    if desc.vendor == "nvidia":
+        major, minor = _compute_capability(desc.arch)
+        where = f"{label}, compute capability {major}.{minor}"
+        if major >= 10:
+            if scaled_dot:
+                return BackendChoice("native", ocp, f"{where}: MX tensor cores via jax.lax.scaled_dot")
+            return BackendChoice("fp8", ocp, f"{where}; this jax has no jax.lax.scaled_dot")
+        if major == 9:
+            return BackendChoice("fp8", ocp, f"{where}")
+        return BackendChoice("emulate", ocp, f"{where}: no FP8 back end chosen for it")
+    return BackendChoice("emulate", ocp, f"{label or 'unknown device'}: no GPU matrix cores to use")
+
+
+def fold_dtype(desc: DeviceDescription) -> Any:
+    """The E4M3 variant the fold writes on this device: FNUZ on gfx942 (MI300), OCP E4M3FN elsewhere."""
+    return jnp.float8_e4m3fnuz if desc.vendor == "amd" and desc.arch == "gfx942" else jnp.float8_e4m3fn
+
+
 @functools.cache
-def _device_has_mx_matrix_cores() -> bool:
-    """True on AMD gfx950 (MI350/MI355) and NVIDIA Blackwell (compute capability >= 10)."""
-    device = jax.devices()[0]
-    kind = getattr(device, "device_kind", "")
-    if device.platform == "rocm" or "AMD" in kind:
-        return "MI35" in kind or "gfx950" in kind
-    if device.platform in ("gpu", "cuda"):
-        capability = getattr(device, "compute_capability", "0")
-        return float(capability) >= 10.0
-    return False
+def _auto_choice() -> BackendChoice:
+    """What `auto` means in this process: the environment override, else the device's table entry.
+    Logged once, at the first GEMM traced."""
+    desc = describe_device()
+    override = os.environ.get(ENV_VAR, "").strip()
+    if override and override != "auto":
+        check_backend(override, f"environment variable {ENV_VAR}")
+        choice = BackendChoice(override, fold_dtype(desc), f"{ENV_VAR}={override}")
+    else:
+        choice = choose_backend(desc)
+        choice = dataclasses.replace(choice, reason=f"auto: {choice.reason}")
+    print(f"fp4jax: GEMM back end {choice.backend} ({choice.reason})", file=sys.stderr, flush=True)
+    return choice
+
+
+def auto_choice() -> BackendChoice:
+    """The back end `auto` resolves to in this process, with its reason (cached; the first call logs)."""
+    return _auto_choice()
+
+
+def check_backend(backend: str, where: str = "backend") -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown GEMM back end {backend!r} in {where}: use one of {', '.join(BACKENDS)}")
+    if backend == "native" and not has_scaled_dot():
+        raise ValueError(
+            f"GEMM back end 'native' needs jax.lax.scaled_dot, which jax {jax.__version__} lacks: "
+            "upgrade jax, or use backend='fp8' or 'emulate'"
+        )
 
 
 def resolve_backend(backend: str) -> str:
-    """Maps `auto` to the fastest back end that this device supports; checks the others exist."""
+    """Maps `auto` to this process's choice (auto_choice); checks that any other name exists here."""
     if backend == "auto":
-        return "native" if _device_has_mx_matrix_cores() else "emulate"
-    if backend == "fp8":
-        raise NotImplementedError(
-            "GEMM back end 'fp8' (MX operands folded into one E4M3 GEMM for Hopper) is not built yet: "
-            "use backend='emulate' or 'native'"
-        )
+        return auto_choice().backend
+    check_backend(backend)
     return backend
+
+
+# ----------------------------------------------------------------------------------------------------
+# emulate
 
 
 def _emulate_input(operand, keep_fp8: bool):
@@ -82,6 +199,37 @@ def _emulate(a, c, precision) -> jax.Array:
     return out * (1.0 / (a_scale * c_scale))
 
 
+# ----------------------------------------------------------------------------------------------------
+# native
+
+# What hipBLASLt's block-scaled GEMM takes through XLA's ROCm scaled-dot lowering: OCP element types,
+# E8M0 scales, blocks of 32 along K, M and N multiples of 16, K a multiple of 32 (XLA's check) and of 128
+# (hipBLASLt's kernels, as reported by AMD's Transformer Engine), one batch (older XLA rejects more).
+NATIVE_ELEMENT_TYPES = (jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e5m2)
+NATIVE_BLOCK_SIZE = 32
+NATIVE_MN_MULTIPLE = 16
+NATIVE_K_MULTIPLE = 128
+
+
+def native_supports(a, c) -> bool:
+    """True when an MX x MX GEMM (b, m, k) x (b, n, k) fits the shapes and types above; others fall back
+    to `emulate` (same numbers, dequantized operands)."""
+    if not (isinstance(a, MXArray) and isinstance(c, MXArray)):
+        return False
+    types = {jnp.dtype(t) for t in NATIVE_ELEMENT_TYPES}
+    (batch, m, k), (_, n, _) = a.shape, c.shape
+    return (
+        jnp.dtype(a.data.dtype) in types
+        and jnp.dtype(c.data.dtype) in types
+        and a.block_size == c.block_size == NATIVE_BLOCK_SIZE
+        and a.axis == c.axis == 2
+        and batch == 1
+        and m % NATIVE_MN_MULTIPLE == 0
+        and n % NATIVE_MN_MULTIPLE == 0
+        and k % NATIVE_K_MULTIPLE == 0
+    )
+
+
 def _native(a: MXArray, c: MXArray) -> jax.Array:
     return jax.lax.scaled_dot(
         a.data,
@@ -93,9 +241,63 @@ def _native(a: MXArray, c: MXArray) -> jax.Array:
     )
 
 
+# ----------------------------------------------------------------------------------------------------
+# fp8 (the fold)
+
+
+@functools.cache
+def _device_fold_dtype() -> Any:
+    return fold_dtype(describe_device())
+
+
+def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
+    """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1, blocks
+    on K), or one foldable MX and one OCP FP8Array (not on FNUZ devices, which do not mix the two)."""
+    a_fold, c_fold = fold.is_foldable(a), fold.is_foldable(c)
+    if a_fold and c_fold:
+        return True
+    ocp = jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    return ocp and ((a_fold and isinstance(c, FP8Array)) or (c_fold and isinstance(a, FP8Array)))
+
+
+def _fold_or_fp8(x, fp8_dtype):
+    """(FP8 values, int32 row exponents (b, rows) or None, float32 scalar to multiply by or None)."""
+    if isinstance(x, FP8Array):
+        return x.data, None, 1.0 / x.scale
+    folded = fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
+    return folded.data, folded.row_exponent, None
+
+
+def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn) -> jax.Array:
+    """out = dot_fp8(fold(a), fold(c)) * 2^Ea[m] * 2^Ec[n] (* 1/scale for an FP8Array operand), float32.
+
+    Equal to `emulate` up to the summation order of the float32 accumulation, except for elements of
+    blocks the fold flushes (more than 14 binades below their row's top block; see fold.py).
+    """
+    a_data, a_exp, a_mult = _fold_or_fp8(a, fp8_dtype)
+    c_data, c_exp, c_mult = _fold_or_fp8(c, fp8_dtype)
+    out = jax.lax.dot_general(a_data, c_data, _BMK_BNK, preferred_element_type=jnp.float32)
+    exponent = jnp.zeros((), jnp.int32)
+    if a_exp is not None:
+        exponent = exponent + a_exp[:, :, None]
+    if c_exp is not None:
+        exponent = exponent + c_exp[:, None, :]
+    out = fold.apply_exponents(out, exponent)
+    for mult in (a_mult, c_mult):
+        if mult is not None:
+            out = out * mult
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
 def matmul(a, c, *, backend: str, precision=None) -> jax.Array:
-    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k] in float32, by the chosen back end."""
-    both_mx = isinstance(a, MXArray) and isinstance(c, MXArray)
-    if backend == "native" and both_mx and a.block_size == c.block_size:
+    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k] in float32, by the chosen (resolved) back end."""
+    if backend == "native" and native_supports(a, c):
         return _native(a, c)
+    if backend == "fp8":
+        fp8_dtype = _device_fold_dtype()
+        if fp8_supports(a, c, fp8_dtype):
+            return fp8_matmul(a, c, fp8_dtype)
     return _emulate(a, c, precision)
