@@ -1,0 +1,267 @@
+"""Self-check: is fp4jax right, and fast, on this machine? The first command to run on a new GPU.
+
+    python -m fp4jax.selfcheck                 # 8B layer GEMMs on a GPU, a scaled-down shape on CPU
+    python -m fp4jax.selfcheck --small         # the scaled-down shape anywhere (quick)
+    python -m fp4jax.selfcheck --backends fp8,emulate --train-steps 0
+
+Prints the devices, the jax / jaxlib / plugin versions and the GEMM back end that `auto` picks and why.
+Then, for every back end that can run here, the three GEMMs of one linear layer (fprop y = x W, dgrad
+dx = dy W^T, wgrad dW = x^T dy) under the recipe (default mxfp4_full_h16) against `emulate`: the largest
+error relative to emulate's largest output, the bound it must stay within, and TFLOP/s (median over
+timed runs after warm-up; 3 GEMMs per forward+backward). On a GPU it also reads the compiled program
+and says whether the GEMMs really run on FP8 operands. Finally a few training steps of the tiny model
+(loss finite and falling). Exit status 0 only if every check passed, 1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4jax.ops import PRESETS, mx_dot_general
+from fp4jax.ops.kernels import backends
+
+# One Llama 3.1-8B MLP projection: tokens x d_model -> d_ff (8192 tokens = one 8192-long sequence).
+FULL_SHAPE = (8192, 4096, 14336)
+SMALL_SHAPE = (256, 256, 512)
+DIMS = (((1,), (0,)), ((), ()))  # x[T, K] @ w[K, N]
+
+# Largest |backend - emulate| / max |emulate| accepted. On CPU both accumulate exactly in float32 (they
+# differ only in summation order). FP8 tensor cores accumulate with reduced-precision partial sums (the
+# fp8 product of an H200 measured 4.4e-6 relative to float64), MX tensor cores likewise: 1e-4 leaves
+# room for that and still catches any wrong element (one E2M1 grid step moves an output by ~1e-2).
+BOUNDS = {"cpu": 1e-6, "gpu": 1e-4}
+
+
+# ----------------------------------------------------------------------------------------------------
+# what is here
+
+
+def versions() -> dict[str, str]:
+    """jax, jaxlib and every installed jax plugin / PJRT package."""
+    found = {"jax": jax.__version__}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "jaxlib" or (name.startswith("jax-") and ("plugin" in name or "pjrt" in name)):
+            found[name] = dist.version
+    return found
+
+
+def available_backends(desc: backends.DeviceDescription) -> list[str]:
+    """The back ends worth running on this device (emulate always; the others where hardware backs them,
+    and all of them on CPU, where XLA computes FP8 and scaled dots exactly in float32)."""
+    found = ["emulate"]
+    major = int(re.match(r"\d*", desc.arch).group(0) or 0) if desc.vendor == "nvidia" else 0
+    if desc.vendor == "cpu" or major >= 9 or desc.arch in ("gfx942", "gfx950"):
+        found.append("fp8")
+    native_hw = desc.vendor == "cpu" or major >= 10 or desc.arch == "gfx950"
+    if native_hw and backends.has_scaled_dot():
+        found.append("native")
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GEMM check
+
+
+def _operands(tokens: int, d_model: int, d_ff: int):
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    # float32, so that the gradients come back in float32 too and the comparison sees the GEMMs alone.
+    x = jax.random.normal(kx, (tokens, d_model), jnp.float32)
+    w = jax.random.normal(kw, (d_model, d_ff), jnp.float32) * 0.02
+    dy = jax.random.normal(kg, (tokens, d_ff), jnp.float32) * 1e-3
+    return x, w, dy
+
+
+def layer_gemms(recipe_name: str, backend: str):
+    """A jitted (x, w, dy) -> (y, dx, dw) in float32: the layer's three GEMMs under one back end."""
+    recipe = dataclasses.replace(PRESETS[recipe_name], backend=backend)
+    key = jax.random.key(1) if recipe.needs_key else None
+
+    def fwd(x, w):
+        return mx_dot_general(x, w, DIMS, recipe=recipe, key=key, preferred_element_type=jnp.float32)
+
+    def run(x, w, dy):
+        y, vjp = jax.vjp(fwd, x, w)
+        dx, dw = vjp(dy)
+        return y, dx, dw
+
+    return jax.jit(run)
+
+
+def median_seconds(fn, *args, warmup: int = 2, iters: int = 5) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+_GEMM_OP = re.compile(r"=\s*\(?(?:f32|bf16|f16)\[[^=]*?(?:custom-call|dot)\((\w+)\[")
+
+
+def gemm_operand_types(hlo_text: str) -> list[str]:
+    """The element type of the first operand of every dot / library GEMM call in compiled HLO text
+    (e.g. ['f8e4m3fn', 'f8e4m3fn', 'f8e4m3fn'] when all three GEMMs run on FP8 operands)."""
+    types = []
+    for line in hlo_text.splitlines():
+        if "dot(" not in line and "custom-call(" not in line:
+            continue
+        if "custom-call(" in line and "matmul" not in line and "gemm" not in line.lower():
+            continue
+        match = _GEMM_OP.search(line)
+        if match:
+            types.append(match.group(1))
+    return types
+
+
+def check_gemms(recipe: str, shape, backend_names, bound: float, on_gpu: bool) -> bool:
+    tokens, d_model, d_ff = shape
+    x, w, dy = _operands(tokens, d_model, d_ff)
+    flops = 3 * 2 * tokens * d_model * d_ff
+    reference = None
+    ok = True
+    print(f"\nGEMMs of one layer, recipe {recipe}: tokens {tokens} x d_model {d_model} x d_ff {d_ff}")
+    for backend in ["emulate"] + [b for b in backend_names if b != "emulate"]:
+        fn = layer_gemms(recipe, backend)
+        outs = [np.asarray(o, np.float64) for o in jax.block_until_ready(fn(x, w, dy))]
+        seconds = median_seconds(fn, x, w, dy)
+        line = f"  {backend:8s} {flops / seconds / 1e12:9.2f} TFLOP/s ({seconds * 1e3:.2f} ms fwd+bwd)"
+        if reference is None:
+            reference = outs
+            print(line + "  [reference]")
+            continue
+        pairs = zip(outs, reference, strict=True)
+        errors = [np.abs(o - r).max() / max(np.abs(r).max(), 1e-30) for o, r in pairs]
+        agree = all(np.isfinite(errors)) and max(errors) <= bound
+        ok &= agree
+        detail = ", ".join(f"{n} {e:.2e}" for n, e in zip(("fprop", "dgrad", "wgrad"), errors, strict=True))
+        print(f"{line}  max rel. error vs emulate: {detail}  (bound {bound:.0e}) {_verdict(agree)}")
+        if on_gpu and backend == "fp8":
+            types = gemm_operand_types(fn.lower(x, w, dy).compile().as_text())
+            fp8_gemms = sum(t.startswith("f8") for t in types)
+            print(f"           GEMM operand types in the compiled program: {types}")
+            ok &= _report(fp8_gemms >= 3, "all three GEMMs run on FP8 operands")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------------
+# the training check
+
+
+def tiny_config(recipe: str, steps: int):
+    """The tiny model on the bundled C4 sample, shortened to `steps` updates without evals or saves."""
+    from fp4jax.configs import ladder
+
+    c = ladder.rung("tiny_c4", recipe)
+    c.steps = steps
+    c.optimizer.update(warmup_steps=max(1, steps // 4), lr_decay_steps=max(steps, 2))
+    c.eval_every_sequences = 10**9
+    c.eval_at_end = False
+    c.checkpoint_every_steps = 10**9
+    c.async_checkpointing = False
+    c.progress_bar = False
+    c.tensorboard = False
+    return c
+
+
+def training_losses(workdir: str) -> list[float]:
+    losses = []
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if "loss" in record and "eval_loss" not in record:
+                losses.append(float(record["loss"]))
+    return losses
+
+
+def check_training(recipe: str, steps: int) -> bool:
+    from fp4jax.train import train
+
+    print(f"\nTraining the tiny model, recipe {recipe}, {steps} steps")
+    with tempfile.TemporaryDirectory(prefix="fp4jax_selfcheck_") as workdir:
+        start = time.perf_counter()
+        try:
+            train(tiny_config(recipe, steps), workdir)
+        except Exception as exc:  # report any failure as a failed check, with its one-line reason
+            print(f"  training failed: {type(exc).__name__}: {exc}")
+            return _report(False, "training ran")
+        losses = training_losses(workdir)
+    print(f"  losses: {' '.join(f'{v:.3f}' for v in losses)}  ({time.perf_counter() - start:.1f} s)")
+    finite = len(losses) == steps and all(math.isfinite(v) for v in losses)
+    tail = losses[-max(1, steps // 4) :]
+    falling = finite and sum(tail) / len(tail) < losses[0] - 0.02
+    return _report(finite, "loss finite at every step") & _report(falling, "loss falling")
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def _verdict(ok: bool) -> str:
+    return "AGREE" if ok else "DISAGREE"
+
+
+def _report(ok: bool, what: str) -> bool:
+    print(f"  {'ok  ' if ok else 'FAIL'} {what}")
+    return ok
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m fp4jax.selfcheck", description=__doc__.splitlines()[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help=f"GEMM shape {SMALL_SHAPE} (default on CPU)")
+    size.add_argument("--full", action="store_true", help=f"GEMM shape {FULL_SHAPE} (default on GPU)")
+    parser.add_argument("--recipe", default="mxfp4_full_h16", help="preset for the GEMMs and training")
+    parser.add_argument("--backends", default="", help="comma list (default: every one available here)")
+    parser.add_argument("--train-steps", type=int, default=12, help="tiny-model updates (0: skip)")
+    args = parser.parse_args(argv)
+    if args.recipe not in PRESETS:
+        parser.error(f"unknown recipe {args.recipe!r}: use one of {', '.join(PRESETS)}")
+    for name in filter(None, args.backends.split(",")):
+        if name not in backends.BACKENDS or name == "auto":
+            parser.error(f"unknown back end {name!r}: use emulate, fp8 or native")
+    if args.train_steps < 0 or args.train_steps == 1:
+        parser.error("--train-steps must be 0 (skip) or at least 2")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    devices = jax.devices()
+    desc = backends.describe_device(devices[0])
+    on_gpu = desc.vendor in ("nvidia", "amd")
+    print(f"devices: {len(devices)} x {desc.name} (vendor {desc.vendor}, architecture {desc.arch or '-'})")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    choice = backends.choose_backend(desc)
+    print(f"auto picks: {choice.backend} ({choice.reason}); fold type {jnp.dtype(choice.fp8_dtype).name}")
+    if os.environ.get(backends.ENV_VAR):
+        print(f"{backends.ENV_VAR}={os.environ[backends.ENV_VAR]} overrides auto in this process")
+    chosen = [b for b in args.backends.split(",") if b] or available_backends(desc)
+    shape = SMALL_SHAPE if args.small or (not args.full and not on_gpu) else FULL_SHAPE
+    bound = BOUNDS["gpu" if on_gpu else "cpu"]
+
+    ok = check_gemms(args.recipe, shape, chosen, bound, on_gpu)
+    if args.train_steps:
+        ok &= check_training(args.recipe, args.train_steps)
+    print(f"\nself-check {'PASSED' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
