@@ -1,0 +1,373 @@
+"""Rotate + quantize (+ fold) in one pass: what the GEMM back ends consume, straight from x.
+
+`rotate_quantize(x, axis=..., spec=..., rotation=..., out=...)` applies the block Hadamard rotation,
+picks the MX block scales, rounds, and writes either
+
+  out="mx":       an MXArray (E2M1/E4M3/E5M2 data, E8M0 scales, blocks along the last axis), or
+  out="fp8_fold": a fold.FoldedOperand (contract B: E4M3 data, int32 row exponents, flushed count),
+
+for the row-wise layout (axis=-1: blocks along x's last axis, result shaped like x) or the column-wise
+layout (axis=-2: blocks along x's second-to-last axis, result shaped like swapaxes(x, -1, -2), which is
+what the Wgrad GEMM quantizes: x and dy along tokens).
+
+Invariants (tests/test_fused_quantize.py checks them bit for bit on CPU, Pallas in interpret mode):
+
+    rotate_quantize(x, axis=-1, out="mx")        == quantize_mx(hadamard_rotate(x), axis=-1)
+    rotate_quantize(x, axis=-2, out="mx")        == quantize_mx(hadamard_rotate(swapaxes(x)), axis=-1)
+    rotate_quantize(x, ..., out="fp8_fold")      == fold_mx_to_fp8(rotate_quantize(x, ..., out="mx"))
+
+`hadamard_rotate` is the one definition of the rotation both implementations use: scale by 1/sqrt(g)
+(the float32 entry of rotation.hadamard(g), exact for g = 16), then log2(g) constant-geometry butterfly
+stages of float32 adds in a fixed order. It is the same orthonormal map as rotation.rotate_blocks (a
+float32 matmul) but not the same rounding: a matmul's summation order is the library's choice and
+differs between back ends, so no fused kernel can reproduce it bit for bit. The two agree exactly
+whenever the sums are exact, and within a few float32 ulps otherwise.
+
+Exactness of the quantizer does not depend on the platform: rounding is done on integer significands
+(no float rounding, no flush-to-zero), so results equal quantize.py's exact arithmetic everywhere.
+Stochastic rounding runs on the XLA path only (its random bits are jax.random.bits over the reference's
+shape, so it matches quantize_mx bit for bit); impl="pallas" with rounding="stochastic" is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax.ops import formats
+from fp4jax.ops.formats import ElemFormat, get_elem_format
+from fp4jax.ops.kernels import fold
+from fp4jax.ops.quantize import MXArray, pow2, round_to_grid, scale_exponent
+from fp4jax.ops.recipes import QuantSpec, RotationSpec
+from fp4jax.ops.rotation import hadamard
+
+OUTPUTS = ("mx", "fp8_fold")
+IMPLS = ("auto", "pallas", "xla")
+
+_ABS_MASK = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+_MANTISSA_MASK = 0x7FFFFF
+_E4M3FN_NAN = 0x7F
+_NO_BLOCK = -(2**20)  # below every block exponent: "no non-zero block in this row"
+# Largest finite code (sign bit clear) of each element format: the saturation point.
+_MAX_CODE = {"e2m1": 0x7, "e4m3": 0x7E, "e5m2": 0x7B}
+_MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the rotation (one definition, used by every implementation)
+
+
+def hadamard_rotate(v: jax.Array, size: int, sign_row: jax.Array | None = None) -> jax.Array:
+    """Rotates each run of `size` elements along v's last axis by H_size diag(signs); float32 in, out.
+
+    v -> ((v * sign_row) / sqrt(size)) @ H_size(+-1), the butterfly in a fixed order (module docstring).
+    `sign_row` is the signs tiled to v's last axis (shape (1, n)), or None for H_size itself.
+    """
+    rows, n = v.shape
+    if sign_row is not None:
+        v = v * sign_row  # +-1: exact
+    # Scale first, like the matmul's products: exact for size 16 (0.25), one rounding for size 32.
+    v = v * float(hadamard(size)[0, 0])
+    v = v.reshape(rows * n // size, size)
+    for _ in range(int(math.log2(size))):
+        # Constant geometry: pair i with i + size/2, write (sum, difference) interleaved; log2(size)
+        # such stages give the Sylvester order. Written with split/stack so Triton can lower it.
+        a, b = jnp.split(v.reshape(v.shape[0], 2, size // 2), 2, axis=1)
+        a, b = a.reshape(v.shape[0], size // 2), b.reshape(v.shape[0], size // 2)
+        v = jnp.stack([a + b, a - b], axis=-1).reshape(v.shape[0], size)
+    return v.reshape(rows, n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# exact integer encoding onto an element grid
+
+
+def _f32_bits(v: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(v, jnp.int32)
+
+
+def _floor_log2_abs(bits: jax.Array) -> jax.Array:
+    """floor(log2|x|) of float32 bits, subnormals included (the int -> float32 convert is exact)."""
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & _MANTISSA_MASK
+    of_subnormal = ((_f32_bits(mantissa.astype(jnp.float32)) >> 23) & 0xFF) - 127 - 149
+    return jnp.where(biased == 0, of_subnormal, biased - 127)
+
+
+def encode(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, rounding: str) -> jax.Array:
+    """The element code (sign included) of RN(|x| / 2^exponent) on fmt's grid, saturated; int32.
+
+    x is given by its float32 bits (finite), exponent is an int32 in [-127, 127]. The scaled value
+    |x| 2^-exponent = sig 2^(lo - exponent) is rounded by shifting the integer significand sig right by
+    sh bits, so the result is exact on every back end. Code = units + (q - emin) 2^m, q the binade.
+    """
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & _MANTISSA_MASK
+    sig = jnp.where(biased == 0, mantissa, mantissa | 0x800000)
+    lo = jnp.where(biased == 0, -149, biased - 150)
+    q = jnp.maximum(_floor_log2_abs(bits) - exponent, fmt.emin)
+    # units = sig * 2^-sh; sh >= 1 always (the scaled value is < 2^(emax+1)); beyond 31 it rounds to 0.
+    sh = jnp.clip(q + exponent - fmt.mantissa_bits - lo, 1, 31)
+    units = sig >> sh
+    rest = sig & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    if rounding == "nearest_even":
+        up = (rest > half) | ((rest == half) & ((units & 1) == 1))
+    elif rounding == "nearest_away":
+        up = rest >= half
+    else:
+        raise ValueError(f"encode rounds nearest_even or nearest_away, got {rounding!r}")
+    code = units + up.astype(jnp.int32) + ((q - fmt.emin) << fmt.mantissa_bits)
+    code = jnp.minimum(code, _MAX_CODE[fmt.name])
+    sign_shift = 3 if fmt.name == "e2m1" else 7
+    return code | ((bits >> 31) & 1) << sign_shift
+
+
+def _encode_grid_value(magnitude: jax.Array, x_bits: jax.Array, fmt: ElemFormat) -> jax.Array:
+    """The code of a non-negative float32 already on fmt's grid, with x's sign (stochastic path)."""
+    return encode(_f32_bits(magnitude) | (x_bits & -0x80000000), jnp.zeros_like(x_bits), fmt, "nearest_even")
+
+
+def _e2m1_value(code: jax.Array) -> jax.Array:
+    """|E2M1 value| of a code as float32: 0, .5, 1, 1.5 (codes 0-3), then (2 + odd) 2^(code/2 - 2)."""
+    mag = code & 0x7
+    small = mag.astype(jnp.float32) * 0.5
+    large = (2 + (mag & 1)).astype(jnp.float32) * pow2((mag >> 1) - 2)
+    return jnp.where(mag < 4, small, large)
+
+
+# ----------------------------------------------------------------------------------------------------
+# one tile: shared by the XLA path (the whole array is one tile) and the Pallas kernels
+
+
+def _block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
+    """Float32 bits (R, bs), block exponents (R,), finite (R,), non-zero after rounding (R,)."""
+    bits = _f32_bits(v.reshape(-1, spec.block_size))
+    amax_bits = jnp.max(bits & _ABS_MASK, axis=-1)
+    finite = amax_bits < _INF_BITS
+    exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, spec.scale_mode)
+    # Rounding is monotone, so a block is non-zero iff its largest magnitude rounds to non-zero.
+    nonzero = finite & ((encode(amax_bits, exponent, fmt, _nearest(spec)) & _MAGNITUDE_MASK[fmt.name]) > 0)
+    return bits, exponent, finite, nonzero
+
+
+def _nearest(spec: QuantSpec) -> str:
+    # A stochastic block is non-zero iff its max rounds up or is above the first grid point; only the
+    # XLA path reaches here with stochastic, and it recomputes non-zero-ness from the codes instead.
+    return "nearest_even" if spec.rounding == "stochastic" else spec.rounding
+
+
+def _quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, key=None, bits_shape=None):
+    """Codes (R, bs) int32 with sign, block exponents (R,), finite (R,), non-zero (R,)."""
+    bits, exponent, finite, nonzero = _block_info(v, fmt, spec)
+    if spec.rounding == "stochastic":
+        codes = _stochastic_codes(bits, exponent, fmt, key, bits_shape)
+        nonzero = finite & (jnp.max(codes & _MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
+    else:
+        codes = encode(bits, exponent[:, None], fmt, spec.rounding)
+    codes = jnp.where(finite[:, None], codes, 0)
+    return codes, exponent, finite, nonzero
+
+
+def _stochastic_codes(bits, exponent, fmt, key, bits_shape):
+    """quantize.py's own float formulation, with its random bits drawn over the reference's shape."""
+    from fp4jax.ops.quantize import _mul_pow2  # the reference's exact scaling, shared on purpose
+
+    finite_v = jnp.where(jnp.max(bits & _ABS_MASK, axis=-1, keepdims=True) < _INF_BITS, bits, 0)
+    scaled = _mul_pow2(lax.bitcast_convert_type(finite_v, jnp.float32), -exponent[:, None])
+    abs_scaled = jnp.abs(scaled).reshape(bits_shape)
+    magnitude = round_to_grid(abs_scaled, fmt, "stochastic", key).reshape(bits.shape)
+    return _encode_grid_value(magnitude, bits, fmt)
+
+
+def _scale_bits(exponent: jax.Array, finite: jax.Array) -> jax.Array:
+    return jnp.where(finite, exponent + formats.SCALE_BIAS, formats.SCALE_NAN_BITS)
+
+
+def _pack_e2m1(codes: jax.Array) -> jax.Array:
+    """Two 4-bit codes per byte, element 2i in the low nibble (float4_e2m1fn's bitcast order)."""
+    lo, hi = jnp.split(codes.reshape(-1, 2), 2, axis=1)
+    return ((lo & 0xF) | ((hi & 0xF) << 4)).reshape(-1)
+
+
+def _fold_codes(codes, exponent, nonzero, row_top, nan_row, shift: int):
+    """E4M3FN codes of q 2^(e_b - top + shift), flushed blocks +0, NaN rows NaN (fold.py's rule)."""
+    delta = exponent - row_top
+    in_window = delta >= -fold.WINDOW
+    factor = pow2(jnp.clip(delta, -fold.WINDOW, 0) + shift)
+    value = _e2m1_value(codes) * factor[:, None]
+    signed = _f32_bits(value) | ((codes & 0x8) << 28)
+    folded = encode(signed, jnp.zeros_like(signed), formats.E4M3, "nearest_even")
+    folded = jnp.where(in_window[:, None], folded, 0)
+    folded = jnp.where(nan_row[:, None], _E4M3FN_NAN, folded)
+    flushed = nonzero & ~in_window & ~nan_row
+    return folded, flushed
+
+
+# ----------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, impl, fp8_dtype):
+    if spec.kind != "mx":
+        raise ValueError(f"rotate_quantize takes an MX QuantSpec (kind='mx'), got kind={spec.kind!r}")
+    if out not in OUTPUTS:
+        raise ValueError(f"unknown out {out!r}: use one of {', '.join(OUTPUTS)}")
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}: use one of {', '.join(IMPLS)}")
+    if x.ndim < 2 or axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
+        raise ValueError(
+            f"axis must be -1 (row-wise) or -2 (column-wise, transposed result) of an array of rank >= 2, "
+            f"got axis={axis} for rank {x.ndim}"
+        )
+    if out == "fp8_fold" and spec.elem != "e2m1":
+        raise ValueError(f"out='fp8_fold' folds E2M1 elements only, got elem={spec.elem!r}")
+    if out == "fp8_fold" and jnp.dtype(fp8_dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(
+            f"the fused fold writes float8_e4m3fn only, got {fp8_dtype}: for e4m3fnuz use "
+            "fold.fold_mx_to_fp8(rotate_quantize(..., out='mx'), fp8_dtype=...)"
+        )
+    if rotation.kind == "random" and (signs is None or signs.shape != (rotation.size,)):
+        raise ValueError(f"rotation kind 'random' needs signs of shape ({rotation.size},): pass signs=")
+    if spec.rounding == "stochastic" and impl == "pallas":
+        raise ValueError("stochastic rounding runs on the XLA path only: use impl='xla' or 'auto'")
+    length = x.shape[axis]
+    multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
+    if length % multiple:
+        raise ValueError(
+            f"axis {axis} has length {length}, not a multiple of {multiple} (block and rotation size): "
+            "pad it first (mx_dot_general pads contraction axes)"
+        )
+
+
+def _sign_row(rotation: RotationSpec, signs, n: int):
+    if rotation.kind != "random":
+        return None
+    return jnp.tile(jnp.asarray(signs, jnp.float32), n // rotation.size)[None, :]
+
+
+def _rotation_size(rotation: RotationSpec) -> int | None:
+    return None if rotation.kind == "none" else rotation.size
+
+
+# ----------------------------------------------------------------------------------------------------
+# the XLA path
+
+
+def _xla_rotate_quantize(x2, spec, rotation, sign_row, key, out, bits_shape):
+    """x2: (rows, n), already in the output orientation; returns the raw output arrays."""
+    fmt = get_elem_format(spec.elem)
+    rows, n = x2.shape
+    v = x2.astype(jnp.float32)
+    if rotation.kind != "none":
+        v = hadamard_rotate(v, rotation.size, sign_row)
+    codes, exponent, finite, nonzero = _quantize_tile(v, fmt, spec, key, bits_shape)
+    if out == "mx":
+        data = _pack_e2m1(codes) if fmt.name == "e2m1" else codes.reshape(-1)
+        return data.astype(jnp.uint8).reshape(rows, -1), _scale_bits(exponent, finite).reshape(rows, -1)
+    blocks = n // spec.block_size
+    row_e = jnp.where(nonzero, exponent, _NO_BLOCK).reshape(rows, blocks)
+    row_top = jnp.max(row_e, axis=-1)
+    row_top = jnp.where(row_top == _NO_BLOCK, 0, row_top)
+    nan_row = jnp.any(~finite.reshape(rows, blocks), axis=-1)
+    shift = fold.fold_shift(jnp.float8_e4m3fn)
+    folded, flushed = _fold_codes(
+        codes,
+        exponent,
+        nonzero,
+        jnp.repeat(row_top, blocks),
+        jnp.repeat(nan_row, blocks),
+        shift,
+    )
+    row_exponent = jnp.where(nan_row, 0, row_top - shift)
+    return folded.astype(jnp.uint8).reshape(rows, n), row_exponent, jnp.sum(flushed.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the public entry point
+
+
+def default_impl() -> str:
+    """'pallas' on NVIDIA GPUs (the Triton kernels), 'xla' elsewhere."""
+    return "pallas" if jax.devices()[0].platform in ("gpu", "cuda") else "xla"
+
+
+def rotate_quantize(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    spec: QuantSpec,
+    rotation: RotationSpec = RotationSpec(),
+    signs: jax.Array | None = None,
+    key: jax.Array | None = None,
+    out: str = "mx",
+    fp8_dtype=jnp.float8_e4m3fn,
+    impl: str = "auto",
+    interpret: bool = False,
+):
+    """Rotates and quantizes x along `axis` in one pass (module docstring: layouts and invariants).
+
+    Args:
+      axis: -1 (row-wise) or -2 (column-wise: the result is for swapaxes(x, -1, -2)).
+      spec: an MX QuantSpec; rotation: a RotationSpec ("random" needs its `signs`, as
+        quantized_dot's _rotation_signs draws them); key: for rounding="stochastic" (XLA path).
+      out: "mx" -> MXArray; "fp8_fold" -> fold.FoldedOperand (E2M1 only, float8_e4m3fn).
+      impl: "auto" (Pallas on NVIDIA GPUs unless stochastic, else XLA), "pallas", "xla".
+      interpret: run the Pallas kernels in interpret mode (CPU tests).
+    """
+    x = jnp.asarray(x)
+    _check_args(x, axis, spec, rotation, signs, out, impl, fp8_dtype)
+    if spec.rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    column = axis % x.ndim == x.ndim - 2
+    if impl == "auto":
+        impl = "xla" if spec.rounding == "stochastic" else default_impl()
+    return _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 6, 7, 8))
+def _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret):
+    lead = x.shape[:-2]
+    xt = jnp.swapaxes(x, -1, -2) if column else x  # the output orientation: blocks on the last axis
+    out_shape = xt.shape
+    n = out_shape[-1]
+    sign_row = _sign_row(rotation, signs, n)
+    if impl == "pallas":
+        from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+        x3 = x.reshape(-1, *x.shape[-2:])
+        raw = kernels.rotate_quantize_3d(x3, column, spec, rotation, sign_row, out, interpret)
+    else:
+        bits_shape = (*out_shape[:-1], n // spec.block_size, spec.block_size)
+        raw = _xla_rotate_quantize(xt.reshape(-1, n), spec, rotation, sign_row, key, out, bits_shape)
+    return _assemble(raw, out_shape, lead, spec, out)
+
+
+def _assemble(raw, out_shape, lead, spec, out):
+    """Typed outputs from the kernels' uint8 / int32 arrays (bitcasts only)."""
+    fmt = get_elem_format(spec.elem)
+    if out == "mx":
+        data_u8, scale_u8 = raw
+        data = lax.bitcast_convert_type(data_u8.astype(jnp.uint8), fmt.dtype)
+        scale = lax.bitcast_convert_type(scale_u8.astype(jnp.uint8), formats.SCALE_DTYPE)
+        return MXArray(
+            data=data.reshape(out_shape),
+            scale=scale.reshape(*out_shape[:-1], -1),
+            axis=len(out_shape) - 1,
+            block_size=spec.block_size,
+        )
+    data_u8, row_exponent, flushed = raw
+    data = lax.bitcast_convert_type(data_u8.astype(jnp.uint8), jnp.float8_e4m3fn).reshape(out_shape)
+    return fold.FoldedOperand(
+        data=data,
+        row_exponent=row_exponent.astype(jnp.int32).reshape(out_shape[:-1]),
+        flushed_blocks=jnp.asarray(flushed, jnp.int32),
+    )
+
+
+__all__ = ["rotate_quantize", "hadamard_rotate", "encode", "default_impl", "OUTPUTS", "IMPLS"]
