@@ -1,206 +1,151 @@
-"""The study's ladder: run a set of configs, then report token overhead, throughput and speed-up.
+"""The study's ladder: train rungs x seeds (x peak LRs), then report tokens to target, overhead and speed-up.
 
-    python -m fp4jax.ladder run --root runs/ladder configs/llama8b_c4_fp8.py configs/llama8b_c4_h16.py ...
-    python -m fp4jax.ladder report --root runs/ladder --baseline llama8b_c4_fp8 --target 3.3 \
+    python -m fp4jax.ladder run --root runs/ladder --seeds 0,1,2 --parallel 2 \
+        configs/llama125m_pg_fp8.py configs/llama125m_pg_full.py [NAME=CONFIG ...] \
+        [--set steps=2000 ...] [--rung-set NAME:key=value ...] [--lrs 3e-4,1e-3,3e-3] [-- --config.X=Y ...]
+    python -m fp4jax.ladder report --root runs/ladder --baseline llama125m_pg_fp8 [--target config] \
         --out docs/results/ladder
 
-Definitions (REFERENCE.md §1):
-- tokens to target: training tokens seen at the first evaluation whose loss is <= target (MLPerf stops
-  there); None when no evaluation reached it.
-- token overhead = tokens to target / the baseline's tokens to target - 1.
-- throughput: median training tokens/s over the run's steps (the first steps, which compile, excluded).
-- end-to-end speed-up = the baseline's time to target / this run's time to target, each time being
-  tokens to target / throughput, i.e. the step speed-up discounted by the token overhead.
-`--target auto` uses the baseline's best evaluation loss: what the baseline reached within its budget.
+`run` trains each rung once per seed (and peak LR) into ROOT/<rung>[/lr<lr>]/seed<k>, passing
+--config.seed=k (and --config.optimizer.peak_lr); a run that finished (summary.json with a final status:
+reached, not_reached, diverged, failed) is never rerun, an interrupted one resumes. A run that diverges
+(exit 3), crashes or times out (--timeout-min) is recorded and the ladder goes on. --parallel N runs N at
+once, one GPU each (chosen through CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES). Logs:
+<run dir>/train.log. Exit code 0 once every run has ended, whatever its outcome; 2 bad input.
+
+`report` writes OUT.md (tables), OUT.json (every number) and plots; definitions in fp4jax/study/analysis.py.
+--target: config (default: the configs' target_eval_loss), a loss in nats, or auto[+MARGIN] (the worst of
+the baseline runs' best eval loss, plus MARGIN).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import statistics
-import subprocess
+import re
+import signal
 import sys
 
-from fp4jax.training.metrics import read_metrics
-
-WARMUP_STEPS = 3  # steps that include compilation and are left out of throughput
+from fp4jax.study import analysis, report, runner
 
 
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-    name: str
-    tokens_to_target: int | None
-    tokens_per_s: float | None
-    best_eval_loss: float | None
-    evals: tuple[tuple[int, float], ...]  # (tokens, eval loss)
-    train: tuple[tuple[int, float], ...]  # (tokens, loss)
+def parse_rungs(specs: list[str], rung_sets: list[str]) -> list[runner.Rung]:
+    """[NAME=]CONFIG positional specs (NAME defaults to the file's stem) and NAME:key=value overrides."""
+    rungs = {}
+    for spec in specs:
+        name, _, config = spec.rpartition("=") if re.match(r"^[\w.-]+=", spec) else ("", "", spec)
+        name = name or os.path.splitext(os.path.basename(config))[0]
+        if name in rungs:
+            raise ValueError(f"rung {name!r} is given twice; name one NAME=CONFIG")
+        rungs[name] = runner.Rung(name, config)
+    for item in rung_sets:
+        name, sep, kv = item.partition(":")
+        if not sep or "=" not in kv or name not in rungs:
+            raise ValueError(f"--rung-set {item!r}: want NAME:key=value with NAME one of {sorted(rungs)}")
+        rung = rungs[name]
+        rungs[name] = runner.Rung(name, rung.config, (*rung.overrides, "--config." + kv))
+    return list(rungs.values())
 
 
-def tokens_to_target(evals, target: float) -> int | None:
-    """Tokens at the first evaluation with loss <= target, else None."""
-    return next((tokens for tokens, loss in evals if loss <= target), None)
+def parse_overrides(sets: list[str], passthrough: list[str], lrs) -> list[str]:
+    """--set key=value and raw --config.key=value arguments; the seed and (when swept) the LR are the
+    ladder's own."""
+    overrides = ["--config." + kv for kv in sets] + passthrough
+    for arg in overrides:
+        if not re.match(r"^--config\.[\w.]+=", arg):
+            raise ValueError(f"override {arg!r} is not --config.KEY=VALUE (or --set KEY=VALUE)")
+        if arg.startswith("--config.seed="):
+            raise ValueError("the seed is the ladder's: use --seeds 0,1,2 instead of --config.seed")
+        if lrs and arg.startswith("--config.optimizer.peak_lr="):
+            raise ValueError("--lrs sets optimizer.peak_lr: drop the peak_lr override")
+    return overrides
 
 
-def summarize(name: str, records: list[dict], target: float | None) -> RunResult:
-    evals = tuple((r["tokens"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None)
-    train = tuple((r["tokens"], r["loss"]) for r in records if "eval_loss" not in r and "loss" in r)
-    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") and r["step"] > WARMUP_STEPS]
-    return RunResult(
-        name=name,
-        tokens_to_target=None if target is None else tokens_to_target(evals, target),
-        tokens_per_s=statistics.median(rates) if rates else None,
-        best_eval_loss=min((loss for _, loss in evals), default=None),
-        evals=evals,
-        train=train,
+def _numbers(text: str | None, kind):
+    return None if text is None else [kind(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_run(args, passthrough: list[str]) -> None:
+    lrs = _numbers(args.lrs, float)
+    overrides = parse_overrides(args.set, passthrough, lrs)
+    rungs = parse_rungs(args.configs, args.rung_set)
+    specs = runner.plan(rungs, _numbers(args.seeds, int), lrs)
+    runner.run_grid(
+        specs,
+        args.root,
+        overrides,
+        parallel=args.parallel,
+        gpus=_numbers(args.gpus, str),
+        gpus_per_run=args.gpus_per_run,
+        timeout_min=args.timeout_min,
+        retry_failed=args.retry_failed,
+        log=lambda line: print(line, flush=True),
     )
+    if args.report:
+        if not args.baseline:
+            raise ValueError("--report needs --baseline NAME")
+        cmd_report(argparse.Namespace(**{**vars(args), "out": args.report, "rungs": None}))
 
 
-def _ratio(a, b):
-    return None if a is None or b in (None, 0) else a / b
+def cmd_report(args) -> None:
+    runs = analysis.load_runs(args.root)
+    result = analysis.analyze(runs, args.baseline, args.target, _numbers(args.rungs, str))
+    print(report.to_markdown(result))
+    if args.out:
+        for path in report.write(result, args.out):
+            print(f"wrote {path}")
 
 
-def ladder_rows(results: list[RunResult], baseline: RunResult) -> list[dict]:
-    """One row a run: overhead and speed-ups relative to the baseline (None where undefined)."""
-    base_time = _ratio(baseline.tokens_to_target, baseline.tokens_per_s)
-    rows = []
-    for r in results:
-        overhead = _ratio(r.tokens_to_target, baseline.tokens_to_target)
-        time_to_target = _ratio(r.tokens_to_target, r.tokens_per_s)
-        rows.append(
-            dict(
-                run=r.name,
-                tokens_to_target=r.tokens_to_target,
-                token_overhead=None if overhead is None else overhead - 1,
-                tokens_per_s=r.tokens_per_s,
-                step_speedup=_ratio(r.tokens_per_s, baseline.tokens_per_s),
-                end_to_end_speedup=_ratio(base_time, time_to_target),
-                best_eval_loss=r.best_eval_loss,
-            )
-        )
-    return rows
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fp4jax.ladder", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="train every rung x seed (x LR) into ROOT", allow_abbrev=False)
+    run_p.add_argument("--root", required=True)
+    run_p.add_argument("configs", nargs="+", help="[NAME=]CONFIG, one a rung")
+    run_p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    run_p.add_argument("--lrs", default=None, help="comma-separated peak LRs: an LR sweep")
+    run_p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    run_p.add_argument("--rung-set", action="append", default=[], metavar="NAME:KEY=VALUE")
+    run_p.add_argument("--parallel", type=int, default=1, help="runs at once (one GPU each)")
+    run_p.add_argument("--gpus", default=None, help="GPU ids to use (default: the visible ones)")
+    run_p.add_argument("--gpus-per-run", type=int, default=1)
+    run_p.add_argument("--timeout-min", type=float, default=None, help="stop a run after this long")
+    run_p.add_argument("--retry-failed", action="store_true", help="rerun runs recorded as failed")
+    run_p.add_argument("--report", default=None, metavar="OUT", help="then write the report to OUT")
+    rep_p = sub.add_parser("report", help="tabulate and plot the runs under ROOT", allow_abbrev=False)
+    rep_p.add_argument("--root", required=True)
+    for p in (run_p, rep_p):
+        p.add_argument("--baseline", required=p is rep_p, help="the baseline rung's name")
+        p.add_argument("--target", default="config", help="config, auto[+MARGIN], or a loss in nats")
+    rep_p.add_argument("--rungs", default=None, help="comma-separated rungs, in report order")
+    rep_p.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT*.png")
+    return parser
 
 
-def _fmt(value, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def to_markdown(rows: list[dict], target: float, baseline: str) -> str:
-    lines = [
-        f"Target eval loss {target:.4f} nats; baseline `{baseline}`.",
-        "",
-        "| run | tokens to target | token overhead | tokens/s | step speed-up | end-to-end speed-up "
-        "| best eval loss |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['run']} | {_fmt(row['tokens_to_target'], ',', 'not reached')} "
-            f"| {_fmt(row['token_overhead'], '+.1%')} | {_fmt(row['tokens_per_s'], ',.0f')} "
-            f"| {_fmt(row['step_speedup'], '.3f')} | {_fmt(row['end_to_end_speedup'], '.3f')} "
-            f"| {_fmt(row['best_eval_loss'], '.4f')} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: list[RunResult], target: float, path: str) -> None:
-    """Eval loss and (lightly smoothed) training loss against tokens, one line a run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for r in results:
-        if r.train:
-            tokens, losses = zip(*r.train, strict=True)
-            ax_train.plot(tokens, _smooth(losses), label=r.name, linewidth=1)
-        if r.evals:
-            tokens, losses = zip(*r.evals, strict=True)
-            ax_eval.plot(tokens, losses, marker="o", markersize=3, label=r.name)
-    ax_eval.axhline(target, color="k", linestyle="--", linewidth=0.8, label=f"target {target:.3f}")
-    for ax, title in ((ax_train, "training loss (EMA 0.9)"), (ax_eval, "validation loss")):
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("nats / token")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    ax_eval.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _smooth(values, decay: float = 0.9) -> list[float]:
-    out, ema = [], None
-    for v in values:
-        ema = v if ema is None else decay * ema + (1 - decay) * v
-        out.append(ema)
-    return out
-
-
-def report(root: str, baseline: str, target: str, out: str | None) -> str:
-    names = sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "metrics.jsonl")))
-    if baseline not in names:
-        raise ValueError(f"baseline run {baseline!r} has no metrics under {root}: runs found: {names}")
-    records = {n: read_metrics(os.path.join(root, n)) for n in names}
-    base = summarize(baseline, records[baseline], None)
-    if target == "auto":
-        if base.best_eval_loss is None:
-            raise ValueError(f"baseline {baseline!r} has no evaluation: --target auto needs one")
-        target_loss = base.best_eval_loss
-    else:
-        target_loss = float(target)
-    results = [summarize(n, records[n], target_loss) for n in names]
-    base = next(r for r in results if r.name == baseline)
-    table = to_markdown(ladder_rows(results, base), target_loss, baseline)
-    if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out + ".md", "w", encoding="utf-8") as f:
-            f.write(table)
-        plot(results, target_loss, out + ".png")
-    return table
-
-
-def run_configs(root: str, configs: list[str], overrides: list[str]) -> None:
-    """Trains each config in turn into root/<config name> (each resumes if it was interrupted)."""
-    for config in configs:
-        name = os.path.splitext(os.path.basename(config))[0]
-        cmd = [
-            sys.executable,
-            "-m",
-            "fp4jax.train",
-            "--config",
-            config,
-            "--workdir",
-            os.path.join(root, name),
-        ]
-        print(f"ladder: {' '.join(cmd + overrides)}", flush=True)
-        subprocess.run(cmd + overrides, check=True)
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fp4jax.ladder", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run_p = sub.add_parser("run", help="train each config into ROOT/<config name>")
-    run_p.add_argument("--root", required=True)
-    run_p.add_argument("configs", nargs="+")
-    rep_p = sub.add_parser("report", help="tabulate and plot the runs under ROOT")
-    rep_p.add_argument("--root", required=True)
-    rep_p.add_argument("--baseline", required=True, help="the baseline run's directory name")
-    rep_p.add_argument("--target", default="auto", help="eval loss target (nats), or 'auto'")
-    rep_p.add_argument("--out", default=None, help="write OUT.md and OUT.png")
-    args, overrides = parser.parse_known_args(argv)
-    if args.command == "report" and overrides:
-        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "report" and (unknown or passthrough):
+        parser.error(f"unrecognized arguments: {' '.join(unknown + passthrough)}")
+    signal.signal(signal.SIGTERM, _interrupt)  # a preempted ladder stops its runs cleanly, as Ctrl-C does
     try:
         if args.command == "run":
-            run_configs(args.root, args.configs, overrides)
+            cmd_run(args, unknown + passthrough)  # bare --config.KEY=VALUE arguments pass through too
         else:
-            print(report(args.root, args.baseline, args.target, args.out))
-    except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as exc:
+            cmd_report(args)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("ladder: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,61 +1,189 @@
-"""The ladder report: tokens to target, overhead and speed-ups against hand-computed values."""
+"""The ladder end to end on the tiny config: a rung forced to diverge (debug_nan_at_step) and a rung that
+crashes are recorded and the ladder finishes; the report reads "diverged @ step N"; a second invocation
+reruns nothing. Also: timeouts, stale summaries, device pinning and the command line's one-line errors.
+
+Each trainer run is a subprocess on one CPU device (a 32-token tiny model for 6 steps).
+"""
 
 import json
 import os
+import sys
 
 import pytest
 
 from fp4jax import ladder
+from fp4jax.study import runner, runs
 
-
-def _write_run(root, name, evals, tokens_per_s):
-    os.makedirs(root / name)
-    lines = [{"step": s, "loss": 5.0, "tokens": 100 * s, "tokens_per_s": tokens_per_s} for s in range(1, 11)]
-    lines[0]["tokens_per_s"] = 1.0  # a compile step: excluded from throughput
-    lines += [{"step": 0, "loss": loss, "eval_loss": loss, "tokens": tokens} for tokens, loss in evals]
-    with open(root / name / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps(line) + "\n" for line in lines)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "tiny_c4_h16.py")
+TINY = {
+    "recipe": "fp8",
+    "model.remat": "none",
+    "seq_len": 32,
+    "global_batch": 8,
+    "steps": 6,
+    "optimizer.peak_lr": 1e-2,
+    "optimizer.warmup_steps": 1,
+    "optimizer.lr_decay_steps": 6,
+    "eval_every_sequences": 16,
+    "eval_sequences": 8,
+    "eval_batch_size": 8,
+    "eval_at_end": False,
+    "checkpoint_every_steps": 2,
+    "progress_bar": False,
+    "tensorboard": False,
+    "data.num_threads": 1,
+}
 
 
 @pytest.fixture
-def runs(tmp_path):
-    _write_run(tmp_path, "fp8", [(100, 4.0), (200, 3.4), (300, 3.2)], tokens_per_s=1000.0)
-    _write_run(tmp_path, "h16", [(100, 4.1), (200, 3.5), (300, 3.35), (400, 3.25)], tokens_per_s=1200.0)
-    _write_run(tmp_path, "full", [(100, 4.5), (200, 4.4)], tokens_per_s=1250.0)
-    return tmp_path
+def child_env(tmp_path_factory, monkeypatch):
+    """Trainer subprocesses on one CPU device (conftest's 8 fake devices would only slow them down),
+    sharing a compilation cache."""
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("xla")))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    monkeypatch.chdir(ROOT)
+    return tmp_path_factory.mktemp("tokens")
 
 
-def test_tokens_to_target_is_the_first_eval_at_or_below_target():
-    assert ladder.tokens_to_target([(1, 4.0), (2, 3.3), (3, 3.1)], 3.3) == 2
-    assert ladder.tokens_to_target([(1, 4.0)], 3.3) is None
+def run_args(root, token_cache):
+    sets = [f"--set={k}={v}" for k, v in {**TINY, "data.cache_dir": token_cache}.items()]
+    return [
+        "run",
+        "--root",
+        str(root),
+        "--parallel",
+        "2",
+        f"fp8={CONFIG}",
+        f"nan={CONFIG}",
+        f"broken={CONFIG}",
+        "--rung-set",
+        "nan:debug_nan_at_step=3",
+        "--rung-set",
+        "broken:data.path=/no/such/dir",
+        *sets,
+    ]
 
 
-def test_overhead_and_speedups(runs):
-    records = {n: ladder.read_metrics(str(runs / n)) for n in ("fp8", "h16", "full")}
-    results = [ladder.summarize(n, records[n], 3.3) for n in ("fp8", "h16", "full")]
-    rows = {r["run"]: r for r in ladder.ladder_rows(results, results[0])}
-    assert rows["fp8"]["token_overhead"] == 0.0
-    assert rows["h16"]["tokens_to_target"] == 400
-    assert rows["h16"]["token_overhead"] == pytest.approx(400 / 300 - 1)
-    assert rows["h16"]["step_speedup"] == pytest.approx(1.2)
-    # time to target: fp8 300/1000 s, h16 400/1200 s
-    assert rows["h16"]["end_to_end_speedup"] == pytest.approx((300 / 1000) / (400 / 1200))
-    assert rows["full"]["tokens_to_target"] is None and rows["full"]["end_to_end_speedup"] is None
+def _state(root):
+    """(summary mtime, metrics mtime, attempts) of every run."""
+    out = {}
+    for rung in ("fp8", "nan", "broken"):
+        d = root / rung / "seed0"
+        metrics = d / "metrics.jsonl"
+        attempts = json.loads((d / "ladder_run.json").read_text())["attempts"]
+        out[rung] = (
+            os.path.getmtime(d / "summary.json"),
+            metrics.exists() and os.path.getmtime(metrics),
+            attempts,
+        )
+    return out
 
 
-def test_report_writes_table_and_plot(runs, tmp_path):
-    out = str(tmp_path / "out" / "ladder")
-    table = ladder.report(str(runs), "fp8", "3.3", out)
-    assert "| h16 | 400 | +33.3% |" in table and "| full | not reached |" in table
-    assert os.path.getsize(out + ".png") > 1000
+def test_ladder_survives_divergence_and_a_crash_and_reruns_nothing(tmp_path, child_env, capsys):
+    root = tmp_path / "ladder"
+    assert ladder.main(run_args(root, child_env)) == 0
+    log = capsys.readouterr().out
+    assert log.count("ladder: start") == 3 and "[3/3]" in log, log
+    summaries = {
+        r: runs.read_json(str(root / r / "seed0" / "summary.json")) for r in ("fp8", "nan", "broken")
+    }
+    assert runs.status_of(summaries["fp8"]) == "not_reached" and summaries["fp8"]["steps"] == 6
+    assert summaries["nan"]["status"] == "diverged" and summaries["nan"]["diverged_step"] == 3
+    assert [step for step, _ in summaries["nan"]["last_finite_losses"]] == [1, 2]
+    assert summaries["broken"]["status"] == "failed" and summaries["broken"]["failure"] == "exit code 2"
+    assert "error: " in (root / "broken" / "seed0" / "train.log").read_text()
+
+    out = tmp_path / "report" / "ladder"
+    assert ladder.main(["report", "--root", str(root), "--baseline", "fp8", "--out", str(out)]) == 0
+    table = (tmp_path / "report" / "ladder.md").read_text()
+    assert "| nan | 0 / 1 / 0 | diverged @ step 3 |" in table, table
+    assert "| fp8 | 0 / 0 / 1 | not reached within budget (1,536 tokens) |" in table, table
+    assert "failed (exit code 2)" in table
+    assert json.loads((tmp_path / "report" / "ladder.json").read_text())["target_eval_loss"] == 7.5
+
+    before = _state(root)
+    capsys.readouterr()
+    assert ladder.main(run_args(root, child_env)) == 0
+    log = capsys.readouterr().out
+    assert "ladder: start" not in log and log.count("not rerun") == 3, log
+    assert _state(root) == before and before["nan"][2] == 1
 
 
-def test_auto_target_is_the_baselines_best_eval_loss(runs):
-    table = ladder.report(str(runs), "fp8", "auto", None)
-    assert "Target eval loss 3.2000" in table
-    assert "| fp8 | 300 | +0.0% |" in table and "| h16 | not reached |" in table
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+CRASHER = [sys.executable, "-c", "import sys; print('Traceback: boom'); sys.exit(1)"]
 
 
-def test_report_names_a_missing_baseline(runs):
-    with pytest.raises(ValueError, match="baseline run 'bf16'"):
-        ladder.report(str(runs), "bf16", "3.3", None)
+def _fake_grid(tmp_path, monkeypatch, command, **kwargs):
+    monkeypatch.setattr(runner.RunSpec, "argv", lambda self, root, overrides: command)
+    spec = runner.RunSpec(runner.Rung("tiny", CONFIG), seed=0)
+    return spec, runner.run_grid([spec], str(tmp_path), [], log=lambda line: None, **kwargs)
+
+
+def test_timeout_is_recorded_as_failed_and_retried_only_when_asked(tmp_path, monkeypatch):
+    spec, done = _fake_grid(tmp_path, monkeypatch, SLEEPER, timeout_min=0.01)
+    summary = done[spec.label]
+    assert summary["status"] == "failed" and summary["failure"] == "timeout after 0.01 min"
+    assert summary["target_eval_loss"] == 7.5 and summary["recipe"] == "mxfp4_full_h16"  # from the config
+    _, again = _fake_grid(tmp_path, monkeypatch, SLEEPER, timeout_min=0.01)
+    assert again == {}
+    _, retried = _fake_grid(tmp_path, monkeypatch, SLEEPER, timeout_min=0.01, retry_failed=True)
+    assert list(retried) == [spec.label]
+    assert runs.read_json(str(tmp_path / "tiny" / "seed0" / "ladder_run.json"))["attempts"] == 2
+
+
+def test_a_crash_after_a_preempted_attempt_is_not_read_as_preempted(tmp_path, monkeypatch):
+    run_dir = tmp_path / "tiny" / "seed0"
+    os.makedirs(run_dir)
+    runs.write_json(str(run_dir / "summary.json"), {"status": "preempted", "steps": 4})
+    spec, done = _fake_grid(tmp_path, monkeypatch, CRASHER)
+    assert done[spec.label]["status"] == "failed" and done[spec.label]["failure"] == "exit code 1"
+    assert "Traceback: boom" in (run_dir / "train.log").read_text()
+
+
+def test_device_env_pins_one_gpu_on_cuda_and_rocm():
+    cuda = runner.device_env(["3"], "cuda", {"PATH": "x"})
+    assert cuda["CUDA_VISIBLE_DEVICES"] == "3" and cuda["PATH"] == "x"
+    rocm = runner.device_env(["3"], "rocm", {})
+    assert rocm["ROCR_VISIBLE_DEVICES"] == "3"  # ROCm filters first; HIP/CUDA index what is left
+    assert rocm["HIP_VISIBLE_DEVICES"] == rocm["CUDA_VISIBLE_DEVICES"] == "0"
+    assert runner.device_env(["3"], None, {"A": "1"}) == {"A": "1"}
+    assert runner._slots(2, ["4", "5", "6", "7"], 2, "cuda") == [["4", "5"], ["6", "7"]]
+    with pytest.raises(ValueError, match="needs 4 GPUs, have 2"):
+        runner._slots(2, ["0", "1"], 2, "cuda")
+
+
+def test_grid_order_directories_and_commands():
+    rungs = ladder.parse_rungs([CONFIG, f"nan={CONFIG}"], ["nan:debug_nan_at_step=3"])
+    specs = runner.plan(rungs, [0, 1], [1e-3, 3e-3])
+    assert [s.label for s in specs[:3]] == [
+        "tiny_c4_h16/lr0.001/seed0",
+        "nan/lr0.001/seed0",
+        "tiny_c4_h16/lr0.003/seed0",
+    ]
+    argv = specs[1].argv("R", ["--config.steps=9"])
+    assert argv[argv.index("--workdir") + 1] == os.path.join("R", "nan", "lr0.001", "seed0")
+    assert argv[-4:] == [
+        "--config.steps=9",
+        "--config.debug_nan_at_step=3",
+        "--config.seed=0",
+        "--config.optimizer.peak_lr=0.001",
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "seed=1"], "use --seeds 0,1,2"),
+        (["--set", "no_such_key=1"], "no_such_key"),
+        (["--rung-set", "h99:steps=1"], "--rung-set 'h99:steps=1'"),
+        (["--lrs", "1e-3", "--", "--config.optimizer.peak_lr=1"], "--lrs sets optimizer.peak_lr"),
+    ],
+)
+def test_bad_command_lines_are_one_line_errors(args, message, tmp_path, capsys):
+    assert ladder.main(["run", "--root", str(tmp_path), CONFIG, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not os.listdir(tmp_path)  # nothing started

@@ -1,0 +1,281 @@
+"""A study's numbers from its run directories: tokens to target, seed statistics, overhead, speed-up, LR
+sensitivity. Every result is a plain dict (the report's JSON).
+
+Definitions:
+- tokens to target: the eval loss is taken linear in tokens between the last evaluation above the target,
+  (t0, L0), and the first at or below it, (t1, L1): t0 + (L0 - target) / (L0 - L1) x (t1 - t0). Its
+  resolution is the bracket t1 - t0 (the evaluation interval, reported beside it). A run whose first
+  evaluation is already at or below the target has no bracket: t1 is reported (an upper bound).
+- per rung, over seeds: mean and sample sd (n - 1) of tokens to target over the seeds that reached it;
+  seeds that diverged, ran out of budget or failed are counted, never averaged.
+- token overhead = mean_rung / mean_baseline - 1 (same peak LR). Its standard error by the delta method,
+  treating the two means as independent: (mean_rung / mean_baseline) x sqrt(se_r^2 / mean_r^2 +
+  se_b^2 / mean_b^2), se = sd / sqrt(n); undefined when either side has fewer than 2 seeds that reached.
+  Paired form beside it: mean and sd over seeds of (t_rung,k / t_baseline,k - 1), seeds where both reached.
+- throughput: median training tokens/s of a run (compile steps excluded); a rung's is the mean over runs.
+- time to target T = mean tokens to target / throughput. End-to-end speed-up = T_baseline / T_rung; time
+  saved = 1 - T_rung / T_baseline. Their standard errors carry the overhead's relative error only
+  (throughput is taken as exact).
+- LR sensitivity: final eval loss = a run's last evaluation; mean and sd over seeds that did not diverge or
+  fail; diverged seeds counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from fp4jax.study import runs
+
+OUTCOMES = ("reached", "not_reached", "diverged", "failed", "unfinished")
+SELF = {"token_overhead": 0.0, "token_overhead_se": None, "relative_se": None, "paired": None}
+NO_BASE = {"tokens_to_target_mean": None, "tokens_to_target_sd": None, "tokens_per_s": None, "runs": []}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    rung: str
+    lr: float | None
+    seed: int
+    status: str  # a contract-A status, "failed", or "unfinished" (no summary yet, or preempted)
+    evals: tuple[tuple[int, int, float], ...]  # (step, tokens, eval loss)
+    target_eval_loss: float | None
+    tokens: int | None  # trained
+    diverged_step: int | None
+    diverged_tokens: int | None
+    divergence_reason: str | None
+    failure: str | None
+    tokens_per_s: float | None
+    directory: str
+
+
+def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Run:
+    """A run from its summary.json (either trainer's) and metrics.jsonl."""
+    summary = runs.read_json(runs.summary_path(run_dir))
+    records = runs.read_records(run_dir)
+    s = summary or {}
+    status = runs.status_of(summary)
+    evals = runs.evals_from(summary, records)
+    return Run(
+        rung=rung,
+        lr=lr,
+        seed=seed if seed is not None else s.get("seed") or 0,
+        status=status if status in runs.FINAL_STATUSES else "unfinished",
+        evals=tuple((e[0], e[2], e[3]) for e in evals),
+        target_eval_loss=s.get("target_eval_loss"),
+        tokens=s.get("tokens", records[-1]["tokens"] if records else None),
+        diverged_step=s.get("diverged_step"),
+        diverged_tokens=s.get("diverged_tokens"),
+        divergence_reason=s.get("divergence_reason"),
+        failure=s.get("failure"),
+        tokens_per_s=s.get("tokens_per_s_median") or runs.median_tokens_per_s(records),
+        directory=run_dir,
+    )
+
+
+def load_runs(root: str) -> list[Run]:
+    return [load_run(*found) for found in runs.find_runs(root)]
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+
+def crossing(evals, target: float) -> dict | None:
+    """Interpolated tokens to target of one run's (step, tokens, loss) evaluations, with its bracket; None
+    when no evaluation is at or below the target."""
+    for i, (_, t1, l1) in enumerate(evals):
+        if l1 > target:
+            continue
+        if i == 0:
+            return {"tokens": float(t1), "interval": t1, "bracket": None, "first_eval": True}
+        _, t0, l0 = evals[i - 1]
+        tokens = t0 + (l0 - target) / (l0 - l1) * (t1 - t0)
+        return {"tokens": tokens, "interval": t1 - t0, "bracket": [[t0, l0], [t1, l1]], "first_eval": False}
+    return None
+
+
+def outcome(run: Run, target: float) -> str:
+    """reached / not_reached / diverged / failed / unfinished against the report's target (which may differ
+    from the one the run stopped at); a run that crossed the target before it diverged has reached it."""
+    if run.status == "unfinished":
+        return "unfinished"
+    if crossing(run.evals, target) is not None:
+        return "reached"
+    return "not_reached" if run.status in ("reached", "not_reached") else run.status
+
+
+def run_row(run: Run, target: float) -> dict:
+    hit = crossing(run.evals, target)
+    return {
+        "rung": run.rung,
+        "lr": run.lr,
+        "seed": run.seed,
+        "outcome": outcome(run, target),
+        "status": run.status,
+        "tokens_to_target": hit and hit["tokens"],
+        "crossing": hit,
+        "tokens_trained": run.tokens,
+        "diverged_step": run.diverged_step,
+        "diverged_tokens": run.diverged_tokens,
+        "divergence_reason": run.divergence_reason,
+        "failure": run.failure,
+        "tokens_per_s": run.tokens_per_s,
+        "final_eval_loss": run.evals[-1][2] if run.evals else None,
+        "evals": [list(e) for e in run.evals],
+        "directory": run.directory,
+    }
+
+
+# --------------------------------------------------------------------------------------------- seeds
+
+
+def mean_sd(values: list[float]) -> tuple[float | None, float | None]:
+    """(mean, sample sd with n - 1); sd None below 2 values, both None for none."""
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def group_stats(rows: list[dict]) -> dict:
+    """Seed statistics of one (rung, lr): counts of each outcome, tokens to target, throughput, final loss."""
+    reached = [r for r in rows if r["outcome"] == "reached"]
+    ttt_mean, ttt_sd = mean_sd([r["tokens_to_target"] for r in reached])
+    finals = [r["final_eval_loss"] for r in rows if r["outcome"] in ("reached", "not_reached")]
+    final_mean, final_sd = mean_sd([f for f in finals if f is not None])
+    intervals = sorted({r["crossing"]["interval"] for r in reached})
+    rates = [r["tokens_per_s"] for r in rows if r["tokens_per_s"]]
+    return {
+        "rung": rows[0]["rung"],
+        "lr": rows[0]["lr"],
+        "seeds": [r["seed"] for r in rows],
+        "counts": {k: sum(r["outcome"] == k for r in rows) for k in OUTCOMES},
+        "tokens_to_target_mean": ttt_mean,
+        "tokens_to_target_sd": ttt_sd,
+        "tokens_to_target_n": len(reached),
+        "eval_intervals": intervals,
+        "tokens_per_s": statistics.fmean(rates) if rates else None,
+        "final_eval_loss_mean": final_mean,
+        "final_eval_loss_sd": final_sd,
+        "runs": rows,
+    }
+
+
+def _se(group: dict) -> float | None:
+    sd, n = group["tokens_to_target_sd"], group["tokens_to_target_n"]
+    return None if sd is None else sd / math.sqrt(n)
+
+
+def overhead(group: dict, base: dict) -> dict:
+    """Token overhead against the baseline group and its spread (module docstring's rules)."""
+    m_r, m_b = group["tokens_to_target_mean"], base["tokens_to_target_mean"]
+    if m_r is None or m_b is None:
+        return {"token_overhead": None, "token_overhead_se": None, "relative_se": None, "paired": None}
+    se_r, se_b = _se(group), _se(base)
+    rel = None if se_r is None or se_b is None else math.hypot(se_r / m_r, se_b / m_b)
+    base_by_seed = {r["seed"]: r for r in base["runs"] if r["outcome"] == "reached"}
+    ratios = [
+        r["tokens_to_target"] / base_by_seed[r["seed"]]["tokens_to_target"] - 1
+        for r in group["runs"]
+        if r["outcome"] == "reached" and r["seed"] in base_by_seed
+    ]
+    p_mean, p_sd = mean_sd(ratios)
+    return {
+        "token_overhead": m_r / m_b - 1,
+        "token_overhead_se": None if rel is None else m_r / m_b * rel,
+        "relative_se": rel,
+        "paired": {"mean": p_mean, "sd": p_sd, "n": len(ratios)} if ratios else None,
+    }
+
+
+def speedup(group: dict, base: dict, relative_se: float | None) -> dict:
+    """Step speed-up, end-to-end speed-up T_b / T_r and time saved 1 - T_r / T_b, with standard errors."""
+    step = _ratio(group["tokens_per_s"], base["tokens_per_s"])
+    t_r = _ratio(group["tokens_to_target_mean"], group["tokens_per_s"])
+    t_b = _ratio(base["tokens_to_target_mean"], base["tokens_per_s"])
+    ratio = _ratio(t_b, t_r)
+    saved = None if ratio is None else 1 - 1 / ratio
+    return {
+        "step_speedup": step,
+        "time_to_target_s": t_r,
+        "end_to_end_speedup": ratio,
+        "end_to_end_speedup_se": None if ratio is None or relative_se is None else ratio * relative_se,
+        "time_saved": saved,
+        "time_saved_se": None if ratio is None or relative_se is None else relative_se / ratio,
+    }
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+# ------------------------------------------------------------------------------------------ the study
+
+
+def resolve_target(all_runs: list[Run], baseline: str, spec: str) -> tuple[float, str]:
+    """(target eval loss, the rule that chose it) for --target: "config" (the runs' target_eval_loss, one
+    value), a number, or "auto" / "auto+MARGIN" (the worst over the baseline's runs of their best eval
+    loss, plus MARGIN nats, so that every baseline run that evaluated reaches it)."""
+    if spec == "config":
+        targets = sorted({r.target_eval_loss for r in all_runs if r.target_eval_loss is not None})
+        if len(targets) != 1:
+            raise ValueError(f"runs' target_eval_loss values are {targets}: pass --target LOSS or auto")
+        return targets[0], "the configs' target_eval_loss"
+    if spec.startswith("auto"):
+        margin = float(spec[5:] or 0) if spec[4:5] in ("", "+") else None
+        if margin is None:
+            raise ValueError(f"--target {spec}: use auto or auto+MARGIN, e.g. auto+0.02")
+        bests = [min(e[2] for e in r.evals) for r in all_runs if r.rung == baseline and r.evals]
+        if not bests:
+            raise ValueError(f"baseline {baseline!r} has no evaluation: --target auto needs one")
+        rule = f"auto: the worst of the baseline's {len(bests)} run(s)' best eval loss + {margin:g} nats"
+        return max(bests) + margin, rule
+    try:
+        return float(spec), "given (--target)"
+    except ValueError:
+        raise ValueError(f"--target {spec!r}: use config, auto, auto+MARGIN or a loss in nats") from None
+
+
+def analyze(all_runs: list[Run], baseline: str, target_spec: str = "config", rungs=None) -> dict:
+    """The study's JSON: target and its rule, one group a (rung, peak LR) with overhead and speed-up
+    against the baseline at the same LR (or its only LR), names of rungs asked for but absent."""
+    found = sorted({r.rung for r in all_runs})
+    if baseline not in found:
+        raise ValueError(f"baseline run {baseline!r} has no runs: rungs found: {found}")
+    order = list(rungs) if rungs else [baseline] + [n for n in found if n != baseline]
+    target, rule = resolve_target(all_runs, baseline, target_spec)
+    groups = {}
+    for run in sorted(all_runs, key=lambda r: (r.seed, r.lr or 0.0)):
+        if run.rung in order:
+            groups.setdefault((run.rung, run.lr), []).append(run_row(run, target))
+    stats = {key: group_stats(rows) for key, rows in groups.items()}
+    base_lrs = [lr for rung, lr in stats if rung == baseline]
+    only_base = stats[(baseline, base_lrs[0])] if len(base_lrs) == 1 else NO_BASE
+    table = []
+    for (_, lr), group in sorted(stats.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1] or 0.0)):
+        base = stats.get((baseline, lr), only_base)
+        rel = overhead(group, base) if group is not base else SELF
+        table.append({**group, **rel, **speedup(group, base, rel["relative_se"])})
+    return {
+        "target_eval_loss": target,
+        "target_rule": rule,
+        "baseline": baseline,
+        "definitions": __doc__,
+        "missing_rungs": [n for n in order if n not in found],
+        "groups": table,
+        "lr_sensitivity": lr_sensitivity(table),
+    }
+
+
+def lr_sensitivity(groups: list[dict]) -> dict | None:
+    """{rung: [[peak lr, final eval loss mean, sd, n not diverged, n diverged], ...]} when runs swept the
+    LR (more than one LR for some rung), else None."""
+    curves: dict[str, list] = {}
+    for g in groups:
+        if g["lr"] is not None:
+            n_ok = g["counts"]["reached"] + g["counts"]["not_reached"]
+            row = [g["lr"], g["final_eval_loss_mean"], g["final_eval_loss_sd"], n_ok, g["counts"]["diverged"]]
+            curves.setdefault(g["rung"], []).append(row)
+    if not any(len(c) > 1 for c in curves.values()):
+        return None
+    return {rung: sorted(rows) for rung, rows in curves.items()}

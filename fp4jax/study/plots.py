@@ -1,0 +1,111 @@
+"""The study's figures from analysis.analyze's dict: loss curves, overhead bars, LR sensitivity."""
+
+from __future__ import annotations
+
+import math
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(g: dict) -> str:
+    return g["rung"] if g["lr"] is None else f"{g['rung']} lr {g['lr']:g}"
+
+
+def plot_curves(result: dict, path: str) -> None:
+    """Eval loss against tokens: per (rung, LR) the mean over seeds at each evaluation, the band between the
+    seeds' lowest and highest, and an x where a seed diverged."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for g in result["groups"]:
+        by_tokens: dict[int, list[float]] = {}
+        for run in g["runs"]:
+            for _, tokens, loss in run["evals"]:
+                by_tokens.setdefault(tokens, []).append(loss)
+        if not by_tokens:
+            continue
+        xs = sorted(by_tokens)
+        (line,) = ax.plot(xs, [sum(by_tokens[x]) / len(by_tokens[x]) for x in xs], label=_label(g), lw=1.2)
+        lo, hi = [min(by_tokens[x]) for x in xs], [max(by_tokens[x]) for x in xs]
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
+        for run in g["runs"]:
+            if run["outcome"] == "diverged" and run["evals"]:
+                ax.plot(run["evals"][-1][1], run["evals"][-1][2], "x", color=line.get_color(), ms=9)
+    ax.axhline(result["target_eval_loss"], color="k", ls="--", lw=0.8, label="target")
+    ax.set(xlabel="training tokens", ylabel="eval loss (nats/token)", title="eval loss (band: seed range)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def plot_overhead(result: dict, path: str) -> None:
+    """Token overhead against the baseline, error bars one standard error; groups without an estimate are
+    labelled with their seeds' outcome."""
+    plt = _pyplot()
+    groups = result["groups"]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(groups)), 4.5))
+    for i, g in enumerate(groups):
+        value = g["token_overhead"]
+        if value is None:
+            ax.text(i, 0, _missing(g), rotation=90, ha="center", va="bottom", fontsize=7)
+            continue
+        err = g["token_overhead_se"]
+        ax.bar(i, 100 * value, yerr=None if err is None else 100 * err, capsize=4, color="C0")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(groups)), [_label(g) for g in groups], rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="token overhead vs baseline (%)", title="token overhead (± 1 s.e.)")
+    ax.grid(alpha=0.3, axis="y")
+    _save(fig, path)
+
+
+def _missing(g: dict) -> str:
+    counts = {k: v for k, v in g["counts"].items() if v}
+    return ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items())
+
+
+def plot_lr(curves: dict, path: str) -> None:
+    """Final eval loss against peak LR (log x), mean ± sd over seeds; an x on the top edge where every seed
+    diverged at that LR."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    finite = [row[1] for rows in curves.values() for row in rows if row[1] is not None]
+    top = max(finite) + 0.05 * (max(finite) - min(finite) + 1e-3) if finite else 1.0
+    for rung, rows in curves.items():
+        ok = [r for r in rows if r[1] is not None]
+        (line,) = ax.plot([r[0] for r in ok], [r[1] for r in ok], marker="o", label=rung)
+        sds = [r[2] if r[2] is not None and math.isfinite(r[2]) else 0.0 for r in ok]
+        ax.errorbar([r[0] for r in ok], [r[1] for r in ok], yerr=sds, fmt="none", color=line.get_color())
+        gone = [r[0] for r in rows if r[1] is None and r[4]]
+        ax.plot(gone, [top] * len(gone), "x", color=line.get_color(), ms=9, clip_on=False)
+    ax.set_xscale("log")
+    ax.set(xlabel="peak learning rate", ylabel="final eval loss (nats/token)")
+    ax.set_title("LR sensitivity (x: every seed diverged)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def plot_all(result: dict, out: str) -> list[str]:
+    """OUT.png (curves), OUT_overhead.png, and OUT_lr.png when the runs swept the LR; returns the paths."""
+    paths = [out + ".png", out + "_overhead.png"]
+    plot_curves(result, paths[0])
+    plot_overhead(result, paths[1])
+    if result["lr_sensitivity"]:
+        paths.append(out + "_lr.png")
+        plot_lr(result["lr_sensitivity"], paths[2])
+    return paths

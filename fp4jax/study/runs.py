@@ -1,0 +1,189 @@
+"""A run directory of a study and its summary.json (contract A), whichever trainer wrote it.
+
+Layout: <root>/<rung>[/lr<peak lr>]/seed<k>/ holds one run: metrics.jsonl and summary.json (the trainer's),
+train.log and ladder_run.json (the ladder's). A directory <root>/<rung>/ that itself holds metrics.jsonl is a
+single run of an older one-seed ladder (seed taken as 0).
+
+Statuses: "reached", "not_reached", "diverged", "preempted" (the trainer's) and "failed" (the ladder's: a
+crash, a timeout, or a run that wrote no summary). Older trainers wrote "target_reached" and
+"budget_exhausted", read as "reached" and "not_reached". Every status but "preempted" is final: a final run
+is never started again ("failed" only with --retry-failed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+
+from fp4jax.training.metrics import read_metrics
+
+FINAL_STATUSES = ("reached", "not_reached", "diverged", "failed")
+OLD_STATUSES = {"target_reached": "reached", "budget_exhausted": "not_reached"}
+DIVERGED_EXIT = 3
+WARMUP_STEPS = 3  # steps that include compilation, left out of the median throughput
+LAST_FINITE = 10  # train losses kept in last_finite_losses
+# The trainer's NaN guard: "non-finite loss (nan) at step 812; ..." (fp4jax/train.py, check_finite).
+_NON_FINITE = re.compile(r"non-finite (loss|grad_norm) \([^)]*\) at step (\d+)")
+_REASONS = {"loss": "non_finite_loss", "grad_norm": "non_finite_grad"}
+
+
+def summary_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "summary.json")
+
+
+def read_json(path: str) -> dict | None:
+    """The JSON object in `path`, or None when the file does not exist."""
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Writes through a temporary file, so a reader never sees half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def status_of(summary: dict | None) -> str | None:
+    """The contract-A status of a summary (older names mapped), None without a summary."""
+    if summary is None:
+        return None
+    status = summary.get("status")
+    return OLD_STATUSES.get(status, status)
+
+
+def is_finished(run_dir: str, retry_failed: bool = False) -> bool:
+    """True when the run has a summary with a final status (never rerun); "failed" counts as unfinished
+    when retry_failed."""
+    status = status_of(read_json(summary_path(run_dir)))
+    return status in FINAL_STATUSES and not (retry_failed and status == "failed")
+
+
+def read_records(run_dir: str) -> list[dict]:
+    """metrics.jsonl's records, [] when the run never wrote one."""
+    try:
+        return read_metrics(run_dir)
+    except FileNotFoundError:
+        return []
+
+
+def evals_from(summary: dict | None, records: list[dict]) -> list[list]:
+    """[[step, sequences, tokens, eval_loss], ...]: the summary's (contract A, 4 fields) when it has them,
+    else metrics.jsonl's evaluation lines (older summaries list [step, sequences, loss], without tokens)."""
+    evals = (summary or {}).get("evals") or []
+    if evals and all(len(e) == 4 for e in evals):
+        return [list(e) for e in evals]
+    return [[r["step"], r.get("sequences"), r["tokens"], r["eval_loss"]] for r in records if "eval_loss" in r]
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if "eval_loss" not in r and "loss" in r]
+
+
+def median_tokens_per_s(records: list[dict]) -> float | None:
+    """Median training tokens/s over the logged steps after the first WARMUP_STEPS (which compile)."""
+    rates = [r.get("tokens_per_s") for r in train_records(records) if r["step"] > WARMUP_STEPS]
+    rates = [r for r in rates if r]
+    return statistics.median(rates) if rates else None
+
+
+def divergence_from_log(log_text: str) -> tuple[int | None, str | None]:
+    """(step, reason) from the trainer's last NaN-guard message in its log, (None, None) when absent."""
+    found = _NON_FINITE.findall(log_text)
+    if not found:
+        return None, None
+    key, step = found[-1]
+    return int(step), _REASONS[key]
+
+
+def first_at_or_below(evals: list[list], target: float | None) -> list | None:
+    return None if target is None else next((e for e in evals if e[3] <= target), None)
+
+
+def derive_summary(
+    records: list[dict],
+    *,
+    exit_code: int | None,
+    failure: str | None,
+    log_text: str = "",
+    target: float | None = None,
+    recipe: str | None = None,
+    seed: int | None = None,
+) -> dict:
+    """Contract A's summary for a run that wrote none, from its metrics, exit code and log.
+
+    status: "diverged" for exit code 3, else "failed". A diverged run's step is the one the NaN guard names
+    in the log, else the step after the last logged training step (the guard stops before logging the
+    update it rejects); its tokens are that step x the logged tokens per step.
+    """
+    train = train_records(records)
+    last = train[-1] if train else {"step": 0, "tokens": 0, "sequences": 0}
+    per_step = last["tokens"] / last["step"] if last["step"] else None
+    diverged = exit_code == DIVERGED_EXIT
+    step, reason = divergence_from_log(log_text) if diverged else (None, None)
+    if diverged and step is None:
+        step = last["step"] + 1
+    evals = evals_from(None, records)
+    hit = first_at_or_below(evals, target) or [None] * 4
+    finite = [[r["step"], r["loss"]] for r in train if math.isfinite(r["loss"])]
+    return {
+        "status": "diverged" if diverged else "failed",
+        "failure": None if diverged else failure,
+        "exit_code": exit_code,
+        "written_by": "ladder",
+        "recipe": recipe,
+        "seed": seed,
+        "steps": last["step"],
+        "sequences": last.get("sequences"),
+        "tokens": last["tokens"],
+        "target_eval_loss": target,
+        "steps_to_target": hit[0],
+        "sequences_to_target": hit[1],
+        "tokens_to_target": hit[2],
+        "evals": evals,
+        "last_eval_loss": evals[-1][3] if evals else None,
+        "diverged_step": step,
+        "diverged_tokens": None if step is None or per_step is None else round(step * per_step),
+        "divergence_reason": reason,
+        "last_finite_losses": finite[-LAST_FINITE:],
+        "tokens_per_s_median": median_tokens_per_s(records),
+        "wall_time_s": None,
+        "devices": None,
+    }
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "ladder_run.json")
+
+
+def parse_run_path(rel: str) -> tuple[str, float | None, int | None]:
+    """(rung, peak lr or None, seed or None) of a run directory path relative to the root."""
+    rung, *rest = rel.split(os.sep)
+    lr = seed = None
+    for part in rest:
+        if re.fullmatch(r"seed\d+", part):
+            seed = int(part[4:])
+        elif part.startswith("lr"):
+            lr = float(part[2:])
+        else:
+            raise ValueError(f"run directory {rel!r} is not <rung>[/lr<peak lr>]/seed<k>: rename or move it")
+    return rung, lr, seed
+
+
+def find_runs(root: str) -> list[tuple[str, float | None, int | None, str]]:
+    """(rung, lr, seed, directory) of every run under root, sorted; FileNotFoundError without root."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root} is not a directory: run the ladder into it first")
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath != root and any(f in filenames for f in RUN_FILES):
+            found.append((*parse_run_path(os.path.relpath(dirpath, root)), dirpath))
+            dirnames[:] = [d for d in dirnames if d.startswith(("seed", "lr"))]
+        dirnames[:] = [d for d in dirnames if d not in ("checkpoints", "tensorboard")]
+    return sorted(found, key=lambda r: (r[0], r[1] or 0.0, r[2] or 0))

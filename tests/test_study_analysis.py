@@ -1,0 +1,208 @@
+"""The study's analysis on synthetic runs: interpolated crossing, seed statistics against an independent
+computation, overhead and speed-up spreads by their stated rules, diverged / missing / old-style runs, the
+summary the ladder derives when the trainer wrote none, and the report's files."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from fp4jax.study import analysis, report, runs
+
+TOKENS_PER_STEP = 100
+
+
+def write_run(run_dir, evals, *, status="reached", target=3.3, tokens_per_s=1000.0, extra=None, summary=True):
+    """A contract-A run: evals [(step, loss)], metrics.jsonl with 10 train steps a eval, and summary.json."""
+    os.makedirs(run_dir, exist_ok=True)
+    last = evals[-1][0] if evals else 10
+    lines = [
+        {"step": s, "loss": 5.0, "tokens": TOKENS_PER_STEP * s, "sequences": s, "tokens_per_s": tokens_per_s}
+        for s in range(1, last + 1)
+    ]
+    lines += [{"step": s, "loss": v, "eval_loss": v, "tokens": TOKENS_PER_STEP * s} for s, v in evals]
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    if summary:
+        s = {
+            "status": status,
+            "target_eval_loss": target,
+            "tokens": TOKENS_PER_STEP * last,
+            "evals": [[st, st, TOKENS_PER_STEP * st, v] for st, v in evals],
+            "tokens_per_s_median": tokens_per_s,
+            **(extra or {}),
+        }
+        runs.write_json(os.path.join(run_dir, "summary.json"), s)
+
+
+def independent_crossing(evals, target):
+    """Slow reference: scan pairs, solve the line through the bracket for the target."""
+    for (s0, l0), (s1, l1) in zip(evals, evals[1:], strict=False):
+        if l0 > target >= l1:
+            slope = (l1 - l0) / ((s1 - s0) * TOKENS_PER_STEP)
+            return s0 * TOKENS_PER_STEP + (target - l0) / slope
+    return None
+
+
+# Baseline and "h16" reach 3.3 at different points per seed; "full" diverges on seed 1 and runs out on 2.
+BASE = {0: [(10, 4.0), (20, 3.5), (30, 3.0)], 1: [(10, 4.0), (20, 3.4), (30, 3.2)], 2: [(10, 3.9), (20, 3.3)]}
+H16 = {
+    0: [(10, 4.1), (20, 3.6), (30, 3.25)],
+    1: [(10, 4.0), (20, 3.5), (30, 3.1)],
+    2: [(10, 4.0), (20, 3.45), (30, 3.3)],
+}
+
+
+@pytest.fixture
+def study(tmp_path):
+    for seed, evals in BASE.items():
+        write_run(tmp_path / "fp8" / f"seed{seed}", evals, tokens_per_s=1000.0)
+    for seed, evals in H16.items():
+        write_run(tmp_path / "h16" / f"seed{seed}", evals, tokens_per_s=1250.0)
+    write_run(tmp_path / "full" / "seed0", [(10, 4.2), (20, 3.8), (30, 3.29)], tokens_per_s=1300.0)
+    diverged = {"diverged_step": 17, "diverged_tokens": 1700, "divergence_reason": "non_finite_loss"}
+    write_run(tmp_path / "full" / "seed1", [(10, 4.3)], status="diverged", extra=diverged)
+    write_run(tmp_path / "full" / "seed2", [(10, 4.2), (20, 3.9), (30, 3.6)], status="not_reached")
+    return tmp_path
+
+
+def test_crossing_interpolates_linearly_between_the_bracketing_evaluations():
+    evals = [(1, 100, 4.0), (2, 200, 3.5), (3, 300, 3.0), (4, 400, 2.0)]
+    hit = analysis.crossing(evals, 3.25)
+    assert hit["tokens"] == 250.0 and hit["interval"] == 100  # 200 + (3.5 - 3.25) / (3.5 - 3.0) * 100
+    assert hit["bracket"] == [[200, 3.5], [300, 3.0]]
+    assert analysis.crossing(evals, 3.0)["tokens"] == 300.0  # exactly on an evaluation
+    first = analysis.crossing(evals, 4.5)
+    assert first["first_eval"] and first["tokens"] == 100.0 and first["bracket"] is None
+    assert analysis.crossing(evals, 1.0) is None
+    for seed_evals in list(BASE.values()) + list(H16.values()):
+        ev = [(s, s * TOKENS_PER_STEP, v) for s, v in seed_evals]
+        want = independent_crossing(seed_evals, 3.3)
+        got = analysis.crossing(ev, 3.3)
+        assert (got is None and want is None) or got["tokens"] == pytest.approx(want, rel=1e-12)
+
+
+def test_seed_statistics_overhead_and_speedup(study):
+    result = analysis.analyze(analysis.load_runs(str(study)), "fp8")
+    assert result["target_eval_loss"] == 3.3 and result["target_rule"] == "the configs' target_eval_loss"
+    groups = {g["rung"]: g for g in result["groups"]}
+    t_b = np.array([independent_crossing(BASE[s], 3.3) for s in range(3)])
+    t_h = np.array([independent_crossing(H16[s], 3.3) for s in range(3)])
+    b, h = groups["fp8"], groups["h16"]
+    assert b["tokens_to_target_mean"] == pytest.approx(t_b.mean())
+    assert b["tokens_to_target_sd"] == pytest.approx(t_b.std(ddof=1))
+    assert h["tokens_to_target_sd"] == pytest.approx(t_h.std(ddof=1))
+    assert h["eval_intervals"] == [1000]
+    # delta method on the ratio of means, se = sd / sqrt(n)
+    ratio = t_h.mean() / t_b.mean()
+    rel = np.sqrt((t_h.std(ddof=1) / 3**0.5 / t_h.mean()) ** 2 + (t_b.std(ddof=1) / 3**0.5 / t_b.mean()) ** 2)
+    assert h["token_overhead"] == pytest.approx(ratio - 1)
+    assert h["token_overhead_se"] == pytest.approx(ratio * rel)
+    assert h["paired"]["mean"] == pytest.approx(np.mean(t_h / t_b - 1))
+    assert h["paired"]["sd"] == pytest.approx(np.std(t_h / t_b - 1, ddof=1))
+    # T = tokens / throughput; speed-up T_b / T_h, time saved 1 - T_h / T_b
+    speed = (t_b.mean() / 1000.0) / (t_h.mean() / 1250.0)
+    assert h["step_speedup"] == pytest.approx(1.25)
+    assert h["end_to_end_speedup"] == pytest.approx(speed)
+    assert h["time_saved"] == pytest.approx(1 - 1 / speed)
+    assert h["end_to_end_speedup_se"] == pytest.approx(speed * rel)
+    assert b["token_overhead"] == 0.0
+
+
+def test_a_diverged_seed_is_counted_not_averaged_and_reads_diverged(study):
+    result = analysis.analyze(analysis.load_runs(str(study)), "fp8")
+    full = next(g for g in result["groups"] if g["rung"] == "full")
+    assert full["counts"] == {"reached": 1, "not_reached": 1, "diverged": 1, "failed": 0, "unfinished": 0}
+    assert full["tokens_to_target_n"] == 1 and full["tokens_to_target_sd"] is None
+    assert full["token_overhead_se"] is None  # one seed reached: no spread to propagate
+    table = report.to_markdown(result)
+    line = next(line for line in table.splitlines() if line.startswith("| full |"))
+    assert "s1: diverged @ step 17" in line and "s2: not reached within budget (3,000 tokens)" in line
+    assert "| 1 / 1 / 1 |" in line
+
+
+def test_a_lone_diverged_rung_reads_diverged_at_its_step(tmp_path):
+    write_run(tmp_path / "fp8" / "seed0", BASE[0])
+    extra = {"diverged_step": 12, "diverged_tokens": 1200, "divergence_reason": "loss_spike"}
+    write_run(tmp_path / "sr" / "seed0", [(10, 4.3)], status="diverged", extra=extra)
+    table = report.to_markdown(analysis.analyze(analysis.load_runs(str(tmp_path)), "fp8"))
+    assert "| sr | 0 / 1 / 0 | diverged @ step 12 |" in table
+
+
+def test_missing_rung_and_missing_baseline(study):
+    all_runs = analysis.load_runs(str(study))
+    result = analysis.analyze(all_runs, "fp8", rungs=["fp8", "h16", "h32"])
+    assert result["missing_rungs"] == ["h32"] and [g["rung"] for g in result["groups"]] == ["fp8", "h16"]
+    assert "| h32 | missing: no runs under the root |" in report.to_markdown(result)
+    with pytest.raises(ValueError, match="baseline run 'bf16' has no runs"):
+        analysis.analyze(all_runs, "bf16")
+
+
+def test_old_style_summaries_and_one_seed_layout(tmp_path):
+    """An older trainer's summary (target_reached, evals without tokens) in <root>/<rung>/ directly."""
+    write_run(tmp_path / "fp8", BASE[0], summary=False)
+    old = {"status": "target_reached", "target_eval_loss": 3.3, "evals": [[10, 10, 4.0], [20, 20, 3.5]]}
+    runs.write_json(str(tmp_path / "fp8" / "summary.json"), old)
+    write_run(tmp_path / "h16", H16[0], summary=False)
+    runs.write_json(str(tmp_path / "h16" / "summary.json"), dict(old, status="budget_exhausted"))
+    loaded = {r.rung: r for r in analysis.load_runs(str(tmp_path))}
+    assert loaded["fp8"].status == "reached" and loaded["h16"].status == "not_reached"
+    assert loaded["fp8"].seed == 0 and loaded["fp8"].evals[-1] == (30, 3000, 3.0)  # tokens from metrics
+    result = analysis.analyze(list(loaded.values()), "fp8")
+    assert result["groups"][0]["tokens_to_target_mean"] == pytest.approx(independent_crossing(BASE[0], 3.3))
+
+
+def test_targets_config_given_and_auto(study):
+    all_runs = analysis.load_runs(str(study))
+    assert analysis.resolve_target(all_runs, "fp8", "3.25") == (3.25, "given (--target)")
+    target, rule = analysis.resolve_target(all_runs, "fp8", "auto+0.05")
+    assert target == pytest.approx(3.3 + 0.05) and "worst of the baseline's 3 run(s)' best eval loss" in rule
+    write_run(study / "h32" / "seed0", H16[0], target=3.0)
+    with pytest.raises(ValueError, match=r"target_eval_loss values are \[3.0, 3.3\]"):
+        analysis.resolve_target(analysis.load_runs(str(study)), "fp8", "config")
+    with pytest.raises(ValueError, match="--target 'soon'"):
+        analysis.resolve_target(all_runs, "fp8", "soon")
+
+
+def test_derived_summary_of_a_diverged_and_a_crashed_run(tmp_path):
+    write_run(tmp_path, [(4, 6.0)], summary=False)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "loss": 5.5, "tokens": 500, "sequences": 5}) + "\n")
+    records = runs.read_records(str(tmp_path))
+    log = "...\nerror: non-finite grad_norm (inf) at step 7; the last good checkpoint is kept\n"
+    d = runs.derive_summary(records, exit_code=3, failure=None, log_text=log, target=5.9)
+    assert d["status"] == "diverged" and d["diverged_step"] == 7 and d["diverged_tokens"] == 700
+    assert d["divergence_reason"] == "non_finite_grad"
+    assert d["last_finite_losses"][-1] == [5, 5.5] and len(d["last_finite_losses"]) == 5
+    assert d["evals"] == [[4, None, 400, 6.0]] and d["tokens_to_target"] is None
+    no_log = runs.derive_summary(records, exit_code=3, failure=None)
+    assert no_log["diverged_step"] == 6  # the step after the last one logged
+    crash = runs.derive_summary(records, exit_code=1, failure="exit code 1", target=6.5)
+    assert crash["status"] == "failed" and crash["diverged_step"] is None and crash["tokens_to_target"] == 400
+    assert runs.status_of(crash) == "failed" and not math.isnan(crash["tokens_per_s_median"])
+
+
+def test_lr_sweep_table_and_report_files(tmp_path):
+    for lr, loss in ((1e-4, 3.6), (1e-3, 3.2), (1e-2, None)):
+        for seed in (0, 1):
+            d = tmp_path / "fp8" / f"lr{lr:g}" / f"seed{seed}"
+            if loss is None:
+                extra = {"diverged_step": 3, "divergence_reason": "non_finite_loss"}
+                write_run(d, [(2, 9.0)], status="diverged", extra=extra)
+            else:
+                write_run(d, [(10, 4.0), (20, loss + 0.01 * seed)], status="not_reached", target=3.0)
+    result = analysis.analyze(analysis.load_runs(str(tmp_path)), "fp8", "3.0")
+    curve = result["lr_sensitivity"]["fp8"]
+    assert [row[0] for row in curve] == [1e-4, 1e-3, 1e-2]
+    assert curve[0][1] == pytest.approx(3.605) and curve[0][2] == pytest.approx(np.std([3.6, 3.61], ddof=1))
+    assert curve[2][1:] == [None, None, 0, 2]
+    table = report.to_markdown(result)
+    assert "| fp8 | 3.6050 ± 0.0071 | 3.2050 ± 0.0071 | (2 diverged) |" in table
+    paths = report.write(result, str(tmp_path / "out" / "lr"))
+    names = ["lr.md", "lr.json", "lr.png", "lr_overhead.png", "lr_lr.png"]
+    assert [os.path.basename(p) for p in paths] == names
+    assert all(os.path.getsize(p) > 500 for p in paths)
+    with open(paths[1]) as f:
+        assert json.load(f)["lr_sensitivity"]["fp8"][2][4] == 2
