@@ -1,0 +1,430 @@
+"""Per-GEMM quantization diagnostics: what a recipe does to each GEMM of each linear layer.
+
+Method (docs/diagnostics.md):
+  1. Capture. One high-precision forward and backward of the model (recipe "bf16", the model's own
+     dtype) on a batch records, for every quantized linear layer (q, k, v, o, gate, up, down of every
+     block), the operands its three GEMMs see: x (input), W (kernel, cast to the compute dtype) and dy
+     (the cotangent of the layer's output under the mean next-token loss). They are recorded through
+     `nn.intercept_methods` on `QuantDotGeneral` (sow for x and W, a zero perturbation of the output for
+     dy), already in mx_dot_general's canonical (batch, free, contraction) layout. The model runs with
+     scan_layers=False (same params, unstacked), so each block is its own module.
+  2. Recompute. Each GEMM is re-run from those operands exactly as mx_dot_general runs it for the
+     recipe's GemmSpec (pad, rotate both operands, quantize along the contraction axis, float32
+     accumulation, `emulate` back end), and compared with the float32 GEMM at precision HIGHEST of the
+     same unrotated operands:
+
+        GEMM    operands (a, c)    contraction   output
+        fprop   x, W               K             y  = x W
+        dgrad   dy, W              N             dx = dy W^T
+        wgrad   x, dy              T (tokens)    dW = x^T dy
+
+So every figure is the error one GEMM adds given exact inputs (local error; errors propagated from
+other quantized layers are not included), and every recipe sees the same operands.
+
+Quantities per GEMM (`gemm_stats`): out_rel_err = ||out - ref|| / ||ref||, out_cos; per quantized
+operand (named x, w, dy), measured in the basis the GEMM quantizes in (after the rotation, against the
+rotated unquantized operand): rel_err, cos, flush (fraction of non-zero inputs that quantize to 0), sat
+(fraction of non-zero inputs beyond the element range: |x| > max_elem * 2^e for MX, |x * scale| > max
+for FP8), exp_min / exp_max (block scale exponents of non-zero MX blocks), fold_flush (E2M1 MX only:
+fraction of non-zero blocks the Hopper FP8 fold would flush, contract B). For GEMMs that draw random
+numbers (stochastic rounding, random Hadamard signs), over n_draws draws: out_bias_rel = ||mean - ref||
+/ ||ref||, out_bias_se = sqrt(sum var / n) / ||ref|| (the value out_bias_rel takes when the rounding is
+unbiased: the noise floor of the mean of n draws), out_var_rel = sum var / ||ref||^2.
+
+Delayed FP8 scaling is measured with current scaling (the probe has no amax history).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from fp4jax.models.llama import Llama, LlamaConfig, block_segments, unstack_layer_params
+from fp4jax.ops import quantize
+from fp4jax.ops.flax_adapters import QuantDotGeneral
+from fp4jax.ops.formats import get_elem_format
+from fp4jax.ops.kernels import backends, fold
+from fp4jax.ops.quantized_dot import operand_layouts, to_bfc
+from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, get_recipe
+from fp4jax.ops.rotation import random_signs, rotate_blocks
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}  # mx_dot_general folds its key with this per GEMM
+OPERAND_NAMES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
+OUTPUT_NAMES = {"fprop": "y", "dgrad": "dx", "wgrad": "dW"}
+LAYER_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
+OPERAND_QUANTITIES = ("rel_err", "cos", "flush", "sat", "exp_min", "exp_max", "fold_flush")
+DIAG_BACKEND = "emulate"  # the reference numerics; `native` is tested equal to it
+
+_OPERANDS = "diag_operands"  # sown x and W
+_COTANGENTS = "diag_cotangents"  # zero perturbations of each layer's output; their gradient is dy
+_EXP_SENTINEL = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------------
+# capture
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerOperands:
+    """One linear layer's GEMM operands in canonical layout: x (B, M, K), w (B, N, K), dy (B, M, N)."""
+
+    x: jax.Array
+    w: jax.Array
+    dy: jax.Array
+
+
+def _dims(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb)))
+
+
+def _record_operands(next_fun, args, kwargs, context):
+    """Interceptor: records each QuantDotGeneral call's operands and tags its output for dy."""
+    module = context.module
+    if not (isinstance(module, QuantDotGeneral) and context.method_name == "__call__"):
+        return next_fun(*args, **kwargs)
+    lhs, rhs, dimension_numbers = args[:3]
+    lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, _dims(dimension_numbers))
+    module.sow(_OPERANDS, "x", to_bfc(lhs, lhs_layout))
+    module.sow(_OPERANDS, "w", to_bfc(rhs, rhs_layout))
+    return module.perturb("y", next_fun(*args, **kwargs), collection=_COTANGENTS)
+
+
+def per_block_params(params: Any, model_cfg: LlamaConfig) -> dict:
+    """Unboxed params with one `block_{i}` entry per block, whether they were scanned or not."""
+    params = nn.meta.unbox(params)
+    if any(key.startswith("blocks_") for key in params):
+        return unstack_layer_params(params, model_cfg)
+    return params
+
+
+def capture_operands(model_cfg: LlamaConfig, params: Any, batch: dict) -> tuple[jax.Array, dict]:
+    """(loss, {(layer, kind): LayerOperands}) from one bf16-recipe forward/backward of `batch`.
+
+    `batch` has int32 "inputs" and "targets" [B, T]; the loss is the mean next-token cross-entropy (the
+    training loss), so dy is the cotangent training differentiates. Pure and jit-able.
+    """
+    model = Llama(dataclasses.replace(model_cfg, scan_layers=False), recipe="bf16")
+    params = per_block_params(params, model_cfg)
+
+    def run(cotangents):
+        variables = {"params": params} if cotangents is None else {"params": params, _COTANGENTS: cotangents}
+        mutable = [_OPERANDS] if cotangents is not None else [_OPERANDS, _COTANGENTS]
+        with nn.intercept_methods(_record_operands):
+            logits, sown = model.apply(variables, batch["inputs"], mutable=mutable)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+        return losses.mean(), sown
+
+    shapes = jax.eval_shape(run, None)[1][_COTANGENTS]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    loss, vjp, sown = jax.vjp(lambda c: run(c), zeros, has_aux=True)
+    (cotangents,) = vjp(jnp.ones_like(loss))
+    return loss, _group_by_layer(sown[_OPERANDS], cotangents)
+
+
+def _group_by_layer(operands: dict, cotangents: dict) -> dict[tuple[int, str], LayerOperands]:
+    """Sown trees keyed by module path -> {(layer index, kind)}; a path reads block_i/.../kind/<dot>/name."""
+    found: dict[tuple[int, str], dict] = {}
+    for tree in (operands, cotangents):
+        for path, value in traverse_util.flatten_dict(tree).items():
+            layer = int(path[0].removeprefix("block_"))
+            kind = path[-3]
+            found.setdefault((layer, kind), {})[path[-1]] = value[0] if isinstance(value, tuple) else value
+    out = {}
+    for (layer, kind), v in sorted(found.items()):
+        x, w = v["x"], v["w"]
+        out[(layer, kind)] = LayerOperands(x=x, w=w, dy=v["y"].reshape(x.shape[:2] + w.shape[1:2]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# one GEMM, as mx_dot_general computes it
+
+
+def gemm_operands(ops: LayerOperands, gemm: str) -> tuple[jax.Array, jax.Array]:
+    """(a, c) with out[b, m, n] = sum_k a[b, m, k] c[b, n, k] for `gemm` (the table in the module doc)."""
+    swap = lambda t: jnp.swapaxes(t, 1, 2)  # noqa: E731
+    if gemm == "fprop":
+        return ops.x, ops.w
+    if gemm == "dgrad":
+        return ops.dy, swap(ops.w)
+    if gemm == "wgrad":
+        return swap(ops.x), swap(ops.dy)
+    raise ValueError(f"unknown GEMM {gemm!r}: use one of {', '.join(GEMMS)}")
+
+
+def _prescale(spec: QuantSpec) -> float:
+    return getattr(spec, "prescale", 1.0)  # MX operands may be scaled by it before quantizing
+
+
+def _quantize(x: jax.Array, spec: QuantSpec, key):
+    if spec.kind == "none":
+        return x
+    if spec.kind == "fp8":  # delayed scaling is measured with current scaling: no history here
+        return quantize.quantize_fp8(x, elem=spec.elem)
+    return quantize.quantize_mx(
+        x * _prescale(spec) if _prescale(spec) != 1 else x,
+        axis=-1,
+        elem=spec.elem,
+        block_size=spec.block_size,
+        scale_mode=spec.scale_mode,
+        rounding=spec.rounding,
+        key=key,
+    )
+
+
+def quantize_gemm(a: jax.Array, c: jax.Array, gemm: GemmSpec, key) -> tuple[Any, Any, Any, Any]:
+    """(a_used, c_used, qa, qc): the operands padded and rotated as the GEMM uses them, and quantized.
+
+    Mirrors mx_dot_general's per-GEMM step, key derivation included: `key` is the GEMM's key (the call
+    key folded with GEMM_INDEX), split into (rotation, a, c). An unquantized operand is its own qa; a
+    prescaled MX operand quantizes prescale * a_used.
+    """
+    pad = -a.shape[-1] % gemm.contraction_multiple
+    if pad:
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, pad)))
+        c = jnp.pad(c, ((0, 0), (0, 0), (0, pad)))
+    rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
+    rotation = gemm.rotation
+    if rotation.kind != "none":
+        signs = None
+        if rotation.kind == "random":
+            sign_key = jax.random.key(rotation.seed) if rotation.signs == "per_run" else rotation_key
+            signs = random_signs(sign_key, rotation.size)
+        a = rotate_blocks(a, axis=-1, size=rotation.size, signs=signs)
+        c = rotate_blocks(c, axis=-1, size=rotation.size, signs=signs)
+    return a, c, _quantize(a, gemm.lhs, a_key), _quantize(c, gemm.rhs, c_key)
+
+
+def _multiply(qa, qc, gemm: GemmSpec) -> jax.Array:
+    """The quantized product as mx_dot_general forms it: HIGHEST where a plain operand meets a quantized
+    one (no TF32 rounding of the plain side), the operands' prescales undone on the float32 result."""
+    plain = (gemm.lhs.kind == "none", gemm.rhs.kind == "none")
+    precision = jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else None
+    out = backends.matmul(qa, qc, backend=DIAG_BACKEND, precision=precision)
+    prescale = _prescale(gemm.lhs) * _prescale(gemm.rhs)
+    return out / prescale if prescale != 1 else out
+
+
+def quantized_output(a, c, gemm: GemmSpec, key) -> jax.Array:
+    """The GEMM's float32 output under `gemm`: equal to what mx_dot_general computes with this key."""
+    *_, qa, qc = quantize_gemm(a, c, gemm, key)
+    return _multiply(qa, qc, gemm)
+
+
+def reference_output(a, c) -> jax.Array:
+    """The high-precision GEMM: float32 operands, precision HIGHEST, float32 result."""
+    return jnp.einsum(
+        "bmk,bnk->bmn", a.astype(jnp.float32), c.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# statistics
+
+
+def _ratio(num, den):
+    """num / den, 0 for 0/0 (an all-zero tensor reproduced exactly), inf for x/0."""
+    safe = jnp.where(den > 0, den, 1.0)
+    return jnp.where(den > 0, num / safe, jnp.where(num > 0, jnp.inf, 0.0))
+
+
+def _compare(q: jax.Array, ref: jax.Array) -> dict[str, jax.Array]:
+    """Squared norms of the error and the reference, and the two derived scores (float32 scalars)."""
+    q, ref = q.astype(jnp.float32), ref.astype(jnp.float32)
+    err_sq = jnp.sum(jnp.square(q - ref))
+    ref_sq = jnp.sum(jnp.square(ref))
+    q_sq = jnp.sum(jnp.square(q))
+    cos = _ratio(jnp.sum(q * ref), jnp.sqrt(ref_sq) * jnp.sqrt(q_sq))
+    cos = jnp.where((ref_sq == 0) & (q_sq == 0), 1.0, cos)
+    return {"err_sq": err_sq, "ref_sq": ref_sq, "rel_err": jnp.sqrt(_ratio(err_sq, ref_sq)), "cos": cos}
+
+
+def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Array]:
+    """Quantization statistics of one operand; `used` is its unquantized value in the GEMM's basis.
+
+    flush and sat are fractions of the non-zero elements of `used`; exp_min / exp_max range over MX
+    blocks holding a non-zero element (0 when there is none).
+    """
+    used = used.astype(jnp.float32) * _prescale(spec)  # what was quantized
+    deq = q.dequantize(jnp.float32)
+    stats = _compare(deq, used)
+    stats = {"rel_err": stats["rel_err"], "cos": stats["cos"]}
+    nonzero = used != 0
+    count = jnp.maximum(jnp.sum(nonzero), 1).astype(jnp.float32)
+    stats["flush"] = jnp.sum(nonzero & (deq == 0)) / count
+    fmt = get_elem_format(spec.elem)
+    if spec.kind == "fp8":
+        stats["sat"] = jnp.sum(jnp.abs(used * q.scale) > fmt.max_value) / count
+        return stats
+    exponent = q.scale_exponent()  # (..., blocks)
+    limit = quantize.ldexp_exact(jnp.full(exponent.shape, fmt.max_value, jnp.float32), exponent)
+    limit = jnp.repeat(limit, q.block_size, axis=-1)  # a NaN block (exponent 128) gives inf: no clip
+    stats["sat"] = jnp.sum(jnp.abs(used) > limit) / count
+    block_nonzero = jnp.any(nonzero.reshape(*exponent.shape, q.block_size), axis=-1)
+    any_block = jnp.any(block_nonzero)
+    exp_min = jnp.min(jnp.where(block_nonzero, exponent, _EXP_SENTINEL))
+    exp_max = jnp.max(jnp.where(block_nonzero, exponent, -_EXP_SENTINEL))
+    stats["exp_min"] = jnp.where(any_block, exp_min, 0).astype(jnp.float32)
+    stats["exp_max"] = jnp.where(any_block, exp_max, 0).astype(jnp.float32)
+    if fold.is_foldable(q):
+        blocks = jnp.maximum(jnp.sum(block_nonzero), 1).astype(jnp.float32)
+        stats["fold_flush"] = fold.count_fold_flushes(q).astype(jnp.float32) / blocks
+    return stats
+
+
+def _draw_stats(a, c, gemm: GemmSpec, key, ref, ref_sq, n_draws: int) -> dict[str, jax.Array]:
+    """Bias and variance of the output over n_draws keys fold_in(key, d) (sequential: one output live)."""
+
+    def body(carry, d):
+        total, total_sq = carry
+        err = quantized_output(a, c, gemm, jax.random.fold_in(key, d)) - ref
+        return (total + err, total_sq + jnp.square(err)), None
+
+    zeros = jnp.zeros_like(ref)
+    (total, total_sq), _ = jax.lax.scan(body, (zeros, zeros), jnp.arange(n_draws))
+    mean = total / n_draws
+    var_sum = jnp.sum(jnp.maximum(total_sq - n_draws * jnp.square(mean), 0.0)) / (n_draws - 1)
+    return {
+        "out_bias_rel": jnp.sqrt(_ratio(jnp.sum(jnp.square(mean)), ref_sq)),
+        "out_bias_se": jnp.sqrt(_ratio(var_sum / n_draws, ref_sq)),
+        "out_var_rel": _ratio(var_sum, ref_sq),
+    }
+
+
+def gemm_stats(
+    a, c, gemm: GemmSpec, key=None, *, n_draws: int = 0, names: tuple[str, str] = ("a", "c")
+) -> dict[str, jax.Array]:
+    """Every statistic of one GEMM (module doc); float32 scalars, operand ones prefixed by `names`.
+
+    `key` is the GEMM's key (required when gemm.needs_key). out_err_sq / out_ref_sq are kept so that
+    several GEMMs can be pooled into one relative norm. Bias/variance only when gemm.needs_key and
+    n_draws >= 2.
+    """
+    if gemm.needs_key and key is None:
+        raise ValueError("this GEMM rounds stochastically or draws random signs: pass key=...")
+    ref = reference_output(a, c)
+    used_a, used_c, qa, qc = quantize_gemm(a, c, gemm, key)
+    out = _compare(_multiply(qa, qc, gemm), ref)
+    stats = {f"out_{k}": v for k, v in out.items()}
+    for name, used, q, spec in zip(names, (used_a, used_c), (qa, qc), (gemm.lhs, gemm.rhs), strict=True):
+        if spec.kind != "none":
+            stats.update({f"{name}_{k}": v for k, v in operand_stats(used, q, spec).items()})
+    if gemm.needs_key and n_draws >= 2:
+        stats.update(_draw_stats(a, c, gemm, key, ref, out["ref_sq"], n_draws))
+    return stats
+
+
+def layer_stats(ops: LayerOperands, recipe: Recipe, key=None, *, n_draws: int = 0) -> dict:
+    """{gemm: {quantity: scalar}} for one linear layer; operand quantities named x_, w_, dy_.
+
+    `key` is the layer's call key: GEMM g uses fold_in(key, GEMM_INDEX[g]), as in mx_dot_general.
+    """
+    out = {}
+    for gemm_name in GEMMS:
+        gemm = getattr(recipe, gemm_name)
+        gemm_key = None if key is None else jax.random.fold_in(key, GEMM_INDEX[gemm_name])
+        a, c = gemm_operands(ops, gemm_name)
+        out[gemm_name] = gemm_stats(a, c, gemm, gemm_key, n_draws=n_draws, names=OPERAND_NAMES[gemm_name])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# a whole model
+
+
+def layer_recipes(model_cfg: LlamaConfig, recipe: str | Recipe) -> list[Recipe]:
+    """The recipe each block actually runs: "bf16" in the config's high-precision first/last blocks."""
+    recipe, bf16 = get_recipe(recipe), get_recipe("bf16")
+    out = []
+    for start, stop, high_precision in block_segments(model_cfg):
+        out += [bf16 if high_precision else recipe] * (stop - start)
+    return out
+
+
+def layer_key(key, layer: int, kind: str):
+    """The call key of one layer's diagnostics: distinct per layer and kind."""
+    return (
+        None if key is None else jax.random.fold_in(jax.random.fold_in(key, layer), LAYER_KINDS.index(kind))
+    )
+
+
+def _stack_stats(per_layer: list[dict]) -> dict:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+
+def model_stats(
+    model_cfg: LlamaConfig, recipe: str | Recipe, operands: dict, key=None, *, n_draws: int = 0
+) -> dict[str, dict[str, dict[str, jax.Array]]]:
+    """{kind: {gemm: {quantity: float32[n_layers]}}} for captured `operands` (capture_operands).
+
+    Layers of one kind and one recipe run under one lax.scan over their stacked operands, so a jitted
+    probe compiles each kind's GEMMs once, not once per layer.
+    """
+    recipes = layer_recipes(model_cfg, recipe)
+    if get_recipe(recipe).needs_key and key is None:
+        raise ValueError(f"recipe {get_recipe(recipe).name!r} draws random numbers: pass a key")
+    out = {}
+    for kind in LAYER_KINDS:
+        chunks = []
+        for start, stop, _ in block_segments(model_cfg):
+            layers = list(range(start, stop))
+            stacked = _stack_stats([operands[(i, kind)] for i in layers])
+            keys = None if key is None else jnp.stack([layer_key(key, i, kind) for i in layers])
+
+            def body(_, xs, seg_recipe=recipes[start]):
+                ops, k = xs
+                return None, layer_stats(ops, seg_recipe, k, n_draws=n_draws)
+
+            chunks.append(jax.lax.scan(body, None, (stacked, keys))[1])
+        out[kind] = jax.tree.map(lambda *xs: jnp.concatenate(xs), *chunks)
+    return out
+
+
+def summarize(stats: dict) -> dict[str, jax.Array]:
+    """Flat "diag/<kind>/<gemm>/<quantity>" scalars (the mean over layers; exp_min / exp_max: the min /
+    max over layers) plus "diag/layer_<i>/wgrad/out_rel_err": the relative error of layer i's whole
+    weight gradient, all seven kinds pooled (sqrt(sum err^2) / sqrt(sum ref^2))."""
+    flat = {}
+    for kind, by_gemm in stats.items():
+        for gemm, quantities in by_gemm.items():
+            for name, values in quantities.items():
+                if name in ("out_err_sq", "out_ref_sq"):
+                    continue
+                reduce = (
+                    jnp.min if name.endswith("exp_min") else jnp.max if name.endswith("exp_max") else jnp.mean
+                )
+                flat[f"diag/{kind}/{gemm}/{name}"] = reduce(values)
+    err_sq = sum(stats[kind]["wgrad"]["out_err_sq"] for kind in stats)
+    ref_sq = sum(stats[kind]["wgrad"]["out_ref_sq"] for kind in stats)
+    per_layer = jnp.sqrt(_ratio(err_sq, ref_sq))
+    for i in range(per_layer.shape[0]):
+        flat[f"diag/layer_{i:02d}/wgrad/out_rel_err"] = per_layer[i]
+    return flat
+
+
+def make_training_probe(model: Llama, recipe: str | Recipe, *, n_draws: int = 4):
+    """probe(params, batch, key) -> {"diag/...": float32 scalar}: contract C, jitted, no side effects.
+
+    params: the train state's params (scanned or not, boxed or not); batch: {"inputs", "targets"}
+    int32[B, T] (one micro-batch); key: a PRNG key for the recipe's random draws (ignored by
+    deterministic recipes). `float(v)` / `jax.device_get` turns the values into Python floats.
+    Costs one bf16 forward/backward plus, per linear layer, the three GEMMs in float32 and quantized
+    (n_draws more for GEMMs that draw random numbers).
+    """
+    model_cfg, recipe = model.config, get_recipe(recipe)
+
+    def probe(params, batch, key):
+        _, operands = capture_operands(model_cfg, params, batch)
+        stats = model_stats(model_cfg, recipe, operands, key if recipe.needs_key else None, n_draws=n_draws)
+        return summarize(stats)
+
+    return jax.jit(probe)
