@@ -143,6 +143,30 @@ def test_a_crash_after_a_preempted_attempt_is_not_read_as_preempted(tmp_path, mo
     assert "Traceback: boom" in (run_dir / "train.log").read_text()
 
 
+def test_an_older_trainers_divergence_without_summary_gets_one(tmp_path, monkeypatch):
+    """Exit 3 and no summary.json (trainers before contract A): the ladder derives it from the metrics and
+    the NaN guard's message."""
+    run_dir = tmp_path / "tiny" / "seed0"
+    lines = [{"step": s, "loss": 9.0 - s, "tokens": 256 * s, "sequences": 8 * s} for s in (1, 2)]
+    script = (
+        "import json, sys\n"
+        f"with open({str(run_dir / 'metrics.jsonl')!r}, 'w') as f:\n"
+        f"    f.writelines(json.dumps(r) + '\\n' for r in {lines!r})\n"
+        "print('error: non-finite loss (nan) at step 3; lower optimizer.peak_lr', file=sys.stderr)\n"
+        "sys.exit(3)\n"
+    )
+    spec, done = _fake_grid(tmp_path, monkeypatch, [sys.executable, "-c", script])
+    summary = runs.read_json(str(run_dir / "summary.json"))
+    assert summary == done[spec.label] and summary["written_by"] == "ladder"
+    assert (
+        summary["status"] == "diverged"
+        and summary["diverged_step"] == 3
+        and summary["diverged_tokens"] == 768
+    )
+    assert summary["divergence_reason"] == "non_finite_loss"
+    assert summary["last_finite_losses"] == [[1, 8.0], [2, 7.0]]
+
+
 def test_device_env_pins_one_gpu_on_cuda_and_rocm():
     cuda = runner.device_env(["3"], "cuda", {"PATH": "x"})
     assert cuda["CUDA_VISIBLE_DEVICES"] == "3" and cuda["PATH"] == "x"

@@ -198,6 +198,7 @@ def test_lr_sweep_table_and_report_files(tmp_path):
     assert [row[0] for row in curve] == [1e-4, 1e-3, 1e-2]
     assert curve[0][1] == pytest.approx(3.605) and curve[0][2] == pytest.approx(np.std([3.6, 3.61], ddof=1))
     assert curve[2][1:] == [None, None, 0, 2]
+    assert result["groups"][0]["token_overhead"] is None  # the baseline never reached: no overhead, not 0
     table = report.to_markdown(result)
     assert "| fp8 | 3.6050 ± 0.0071 | 3.2050 ± 0.0071 | (2 diverged) |" in table
     paths = report.write(result, str(tmp_path / "out" / "lr"))
@@ -206,3 +207,34 @@ def test_lr_sweep_table_and_report_files(tmp_path):
     assert all(os.path.getsize(p) > 500 for p in paths)
     with open(paths[1]) as f:
         assert json.load(f)["lr_sensitivity"]["fp8"][2][4] == 2
+
+
+def test_diagnostics_over_training_are_reduced_tabled_and_plotted(tmp_path):
+    """Probe lines (contract C) on steps 5 and 10: the mean over layer kinds per GEMM, the last probe by kind,
+    and the overhead sum(diag_time_s) / sum(step_time_s)."""
+    write_run(tmp_path / "fp8" / "seed0", BASE[0])
+    path = tmp_path / "fp8" / "seed0" / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    errs = {("q", "wgrad"): (0.1, 0.3), ("down", "wgrad"): (0.2, 0.5), ("q", "fprop"): (0.01, 0.02)}
+    for line in lines:
+        line["step_time_s"] = 0.5
+        if "eval_loss" not in line and line["step"] in (5, 10):
+            i = line["step"] // 5 - 1
+            line.update({f"diag/{k}/{g}/out_rel_err": v[i] for (k, g), v in errs.items()})
+            line.update(
+                {"diag/layer_00/wgrad/out_rel_err": 0.4, "diag/q/wgrad/x_rel_err": 9.0, "diag_time_s": 0.05}
+            )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = analysis.analyze(analysis.load_runs(str(tmp_path)), "fp8")
+    d = result["groups"][0]["runs"][0]["diagnostics"]
+    assert d["steps"] == [5, 10] and list(d["out_rel_err"]) == ["fprop", "wgrad"]
+    assert d["out_rel_err"]["wgrad"] == pytest.approx([0.15, 0.4]) and d["out_rel_err"]["fprop"] == [
+        0.01,
+        0.02,
+    ]
+    assert d["last_out_rel_err"] == {"q/wgrad": 0.3, "down/wgrad": 0.5, "q/fprop": 0.02}
+    assert d["last_wgrad_by_layer"] == [0.4]
+    assert d["overhead"] == pytest.approx(2 * 0.05 / (30 * 0.5))  # 30 training lines of 0.5 s
+    assert "| fp8 | 0 | 10 | 2.000e-02 | - | 4.000e-01 | 0.67% |" in report.to_markdown(result)
+    paths = report.write(result, str(tmp_path / "out" / "d"))
+    assert paths[-1].endswith("d_diagnostics.png") and os.path.getsize(paths[-1]) > 1000

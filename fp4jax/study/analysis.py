@@ -28,6 +28,7 @@ import statistics
 
 from fp4jax.study import runs
 
+GEMMS = ("fprop", "dgrad", "wgrad")
 OUTCOMES = ("reached", "not_reached", "diverged", "failed", "unfinished")
 SELF = {"token_overhead": 0.0, "token_overhead_se": None, "relative_se": None, "paired": None}
 NO_BASE = {"tokens_to_target_mean": None, "tokens_to_target_sd": None, "tokens_per_s": None, "runs": []}
@@ -48,6 +49,7 @@ class Run:
     failure: str | None
     tokens_per_s: float | None
     directory: str
+    diagnostics: dict | None = None  # diagnostics(records)
 
 
 def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Run:
@@ -71,7 +73,36 @@ def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Run
         failure=s.get("failure"),
         tokens_per_s=s.get("tokens_per_s_median") or runs.median_tokens_per_s(records),
         directory=run_dir,
+        diagnostics=diagnostics(records),
     )
+
+
+def diagnostics(records: list[dict]) -> dict | None:
+    """The per-GEMM probe's lines (contract C: "diag/<kind>/<gemm>/<quantity>" in training lines), reduced:
+    at each probed step, out_rel_err per GEMM as the mean over layer kinds; the last probe's out_rel_err
+    per kind and GEMM, and its per-layer Wgrad error; overhead = sum diag_time_s / sum step_time_s over the
+    run (the trainer leaves the probe's time out of step_time_s). None when the run was not probed."""
+    probed = [r for r in runs.train_records(records) if "diag_time_s" in r]
+    if not probed:
+        return None
+    last = probed[-1]
+    pairs = [k.split("/")[1:3] for k in last if k.startswith("diag/") and k.endswith("/out_rel_err")]
+    pairs = [(kind, gemm) for kind, gemm in pairs if not kind.startswith("layer_")]
+    gemms = [g for g in GEMMS if any(gemm == g for _, gemm in pairs)]
+    series = {
+        g: [statistics.fmean(r[f"diag/{k}/{g}/out_rel_err"] for k, gg in pairs if gg == g) for r in probed]
+        for g in gemms
+    }
+    layers = sorted(k for k in last if k.startswith("diag/layer_") and k.endswith("/wgrad/out_rel_err"))
+    step_time = sum(r.get("step_time_s", 0.0) for r in runs.train_records(records))
+    return {
+        "steps": [r["step"] for r in probed],
+        "out_rel_err": series,
+        "last_step": last["step"],
+        "last_out_rel_err": {f"{k}/{g}": last[f"diag/{k}/{g}/out_rel_err"] for k, g in pairs},
+        "last_wgrad_by_layer": [last[k] for k in layers],
+        "overhead": _ratio(sum(r["diag_time_s"] for r in probed), step_time),
+    }
 
 
 def load_runs(root: str) -> list[Run]:
@@ -124,6 +155,7 @@ def run_row(run: Run, target: float) -> dict:
         "final_eval_loss": run.evals[-1][2] if run.evals else None,
         "evals": [list(e) for e in run.evals],
         "directory": run.directory,
+        "diagnostics": run.diagnostics,
     }
 
 
@@ -254,7 +286,9 @@ def analyze(all_runs: list[Run], baseline: str, target_spec: str = "config", run
     table = []
     for (_, lr), group in sorted(stats.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1] or 0.0)):
         base = stats.get((baseline, lr), only_base)
-        rel = overhead(group, base) if group is not base else SELF
+        rel = overhead(group, base)
+        if group is base and rel["token_overhead"] is not None:
+            rel = SELF  # the baseline against itself: 0 by definition, no spread
         table.append({**group, **rel, **speedup(group, base, rel["relative_se"])})
     return {
         "target_eval_loss": target,

@@ -91,6 +91,33 @@ def plot_lr(curves: dict, path: str) -> None:
     _save(fig, path)
 
 
+def plot_diagnostics(result: dict, path: str) -> None:
+    """Top: each GEMM's output relative error (mean over layer kinds) against step, one line a (rung, LR)
+    (its first probed seed). Bottom: the last probe's error by layer kind, bars grouped by rung."""
+    plt = _pyplot()
+    probed = [(g, _first_diag(g)) for g in result["groups"] if _first_diag(g)]
+    width = 0.8 / max(len(probed), 1)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for col, gemm in enumerate(("fprop", "dgrad", "wgrad")):
+        top, bottom = axes[0][col], axes[1][col]
+        for i, (g, d) in enumerate(probed):
+            if gemm in d["out_rel_err"]:
+                top.plot(d["steps"], d["out_rel_err"][gemm], marker=".", label=_label(g))
+            values = {k.split("/")[0]: v for k, v in d["last_out_rel_err"].items() if k.endswith("/" + gemm)}
+            bottom.bar([j + i * width for j in range(len(values))], list(values.values()), width=width)
+            bottom.set_xticks([j + 0.4 - width / 2 for j in range(len(values))], list(values))
+        top.set(yscale="log", xlabel="step", ylabel="output relative error", title=f"{gemm} over training")
+        bottom.set(yscale="log", ylabel="output relative error", title=f"{gemm} by layer kind (last probe)")
+        top.grid(alpha=0.3, which="both")
+        bottom.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7)
+    _save(fig, path)
+
+
+def _first_diag(g: dict) -> dict | None:
+    return next((r["diagnostics"] for r in g["runs"] if r.get("diagnostics")), None)
+
+
 def _save(fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -101,11 +128,15 @@ def _save(fig, path: str) -> None:
 
 
 def plot_all(result: dict, out: str) -> list[str]:
-    """OUT.png (curves), OUT_overhead.png, and OUT_lr.png when the runs swept the LR; returns the paths."""
+    """OUT.png (curves), OUT_overhead.png, OUT_lr.png when the runs swept the LR and OUT_diagnostics.png when
+    runs were probed; returns the paths."""
     paths = [out + ".png", out + "_overhead.png"]
     plot_curves(result, paths[0])
     plot_overhead(result, paths[1])
     if result["lr_sensitivity"]:
         paths.append(out + "_lr.png")
-        plot_lr(result["lr_sensitivity"], paths[2])
+        plot_lr(result["lr_sensitivity"], paths[-1])
+    if any(_first_diag(g) for g in result["groups"]):
+        paths.append(out + "_diagnostics.png")
+        plot_diagnostics(result, paths[-1])
     return paths

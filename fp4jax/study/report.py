@@ -97,6 +97,22 @@ def _lr_cell(row) -> str:
     return (cell + (f" ({n_div} diverged)" if n_div else "")).strip() or "-"
 
 
+def diagnostics_table(groups: list[dict]) -> list[str]:
+    """Per (rung, LR), its first probed seed: the last probe's output relative error per GEMM (mean over
+    layer kinds) and the probe's share of training time."""
+    lines = ["| rung | seed | last probed step | Fprop | Dgrad | Wgrad | probe overhead |", "|" + "---|" * 7]
+    for g in groups:
+        run = next((r for r in g["runs"] if r.get("diagnostics")), None)
+        if run is None:
+            continue
+        d = run["diagnostics"]
+        errs = [_num(d["out_rel_err"].get(gemm, [None])[-1], ".3e") for gemm in ("fprop", "dgrad", "wgrad")]
+        name = g["rung"] if g["lr"] is None else f"{g['rung']} (LR {g['lr']:g})"
+        cells = [name, str(run["seed"]), str(d["last_step"]), *errs, _num(d["overhead"], ".2%")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines if len(lines) > 2 else []
+
+
 def to_markdown(result: dict) -> str:
     lines = [
         f"Target eval loss {result['target_eval_loss']:.4f} nats ({result['target_rule']}); "
@@ -113,6 +129,14 @@ def to_markdown(result: dict) -> str:
     if result["lr_sensitivity"]:
         lines += ["", "Final eval loss against peak LR (mean ± sd over seeds):", ""]
         lines += lr_table(result["lr_sensitivity"])
+    diag = diagnostics_table(result["groups"])
+    if diag:
+        lines += [
+            "",
+            "Per-GEMM diagnostics, output relative error against the high-precision GEMM:",
+            "",
+            *diag,
+        ]
     return "\n".join(lines) + "\n"
 
 
