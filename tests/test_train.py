@@ -1,96 +1,35 @@
-"""The trainer: optimizer, sharded == unsharded step, loss falls, bit-identical resume, the command line's
-one-line errors (exit 2), the NaN guard (exit 3) and SIGTERM (exit 0).
+"""The trainer: optimizer, sharded == unsharded step, loss falls, bit-identical resume, the run summary
+(contract A), the divergence rule, step timing, the diagnostics probe and the profiler switch.
 
-Tiny model, 32-token sequences, a handful of steps on the 8 fake CPU devices of conftest.py. Runs that
-compile the same program share a persistent XLA cache (the CLI subprocess too).
+Faults (bad checkpoints, signals, bad input, a full disk) are in test_faults.py. Tiny runs on the 8 fake
+CPU devices of conftest.py (helpers: tiny_runs.py).
 """
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from tiny_runs import (
+    compare,
+    compilation_cache,
+    tiny_config,
+    token_cache,
+    train_losses,
+    xla_cache,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from fp4jax.models.sharding import MESH_AXES, make_mesh, sharding_context
+from fp4jax.train import train
+from fp4jax.training import checkpoint, metrics, setup
+from fp4jax.training.divergence import DivergenceGuard
+from fp4jax.training.metrics import read_metrics
+from fp4jax.training.optimizer import lr_schedule, make_optimizer, mlperf_lr
 
-from configs import tiny_c4_h16  # noqa: E402
-from fp4jax import train as trainer  # noqa: E402
-from fp4jax.models.sharding import MESH_AXES, make_mesh, sharding_context  # noqa: E402
-from fp4jax.training import checkpoint  # noqa: E402
-from fp4jax.training.metrics import read_metrics  # noqa: E402
-from fp4jax.training.optimizer import lr_schedule, make_optimizer, mlperf_lr  # noqa: E402
-
-COMPARED = ("step", "loss", "grad_norm", "lr", "eval_loss", "tokens")
-
-
-# configs/tiny_c4_h16.py shrunk: recipe fp8_delayed (its amax histories are train state that must survive a
-# resume; the sharded test runs mxfp4_full_h16), 32-token sequences, batch 8, 6 steps, evaluation at step 4.
-TINY_OVERRIDES = {
-    "recipe": "fp8_delayed",
-    "model.remat": "none",
-    "seq_len": 32,
-    "global_batch": 8,
-    "steps": 6,
-    "optimizer.peak_lr": 1e-2,
-    "optimizer.warmup_steps": 1,
-    "optimizer.lr_decay_steps": 6,
-    "eval_every_sequences": 32,
-    "eval_sequences": 8,
-    "eval_batch_size": 8,
-    "eval_at_end": False,
-    "checkpoint_every_steps": 2,
-    "progress_bar": False,
-    "data.num_threads": 1,
-}
-
-
-def tiny_config(token_cache, **overrides):
-    c = tiny_c4_h16.get_config()
-    for key, value in {**TINY_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}.items():
-        *parents, leaf = key.split(".")
-        node = c
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = value
-    return c
-
-
-@pytest.fixture(scope="session")
-def token_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("token_cache")
-
-
-@pytest.fixture(scope="session")
-def xla_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("xla_cache")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(xla_cache):
-    """Train runs of one program (new jit objects each) compile once; restored for other modules."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
-    cc.reset_cache()
-    jax.config.update("jax_compilation_cache_dir", str(xla_cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    cc.reset_cache()
-
-
-def _compare(workdir):
-    return [{k: r.get(k) for k in COMPARED} for r in read_metrics(workdir)]
-
+FIXTURES = (compilation_cache, token_cache, xla_cache)  # pytest finds them here
 
 # ------------------------------------------------------------------------------------------- optimizer
 
@@ -124,15 +63,16 @@ def _one_step(config, mesh, tokens):
         name, vocab_size = "test", 256
 
     with sharding_context(mesh):
-        model, _ = trainer.build_model(config, Tok())
+        model, _ = setup.build_model(config, Tok())
         tx, schedule = make_optimizer(config.optimizer)
-        state, shardings = trainer.init_train_state(model, tx, mesh, config.seed, config.seq_len)
-        train_fn, _ = trainer.jit_steps(config, model, tx, schedule, mesh, shardings)
-        batch = trainer.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
-        state, metrics = train_fn(state, batch, jax.random.key(7))
-    return jax.device_get(metrics), jax.device_get(state.params), shardings
+        state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
+        train_fn, _ = setup.jit_steps(config, model, tx, schedule, mesh, shardings)
+        batch = setup.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+        state, step_metrics = train_fn(state, batch, jax.random.key(7))
+    return jax.device_get(step_metrics), jax.device_get(state.params), shardings
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU lane's fake ones)")
 def test_sharded_train_step_matches_unsharded(token_cache):
     config = tiny_config(token_cache, recipe="mxfp4_full_h16", grad_accum=2)
     config.model.update(vocab_size=256, n_heads=4, n_kv_heads=4, dtype="float32")  # tensor=4 divides heads
@@ -150,91 +90,109 @@ def test_sharded_train_step_matches_unsharded(token_cache):
 # ---------------------------------------------------------------------------- runs and checkpoints
 
 
-def test_run_lowers_loss_and_resumes_bit_identically(tmp_path, token_cache):
+def test_run_lowers_loss_resumes_bit_identically_and_summarises(tmp_path, token_cache):
     config = tiny_config(token_cache)
-    full = trainer.train(config, str(tmp_path / "full"))
+    full = train(config, str(tmp_path / "full"))
     records = read_metrics(str(tmp_path / "full"))
-    losses = [r["loss"] for r in records if "eval_loss" not in r]
+    losses = train_losses(tmp_path / "full")
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3
     assert [r["step"] for r in records if "eval_loss" in r] == [4]
-    assert full["status"] == "budget_exhausted" and full["tokens"] == 6 * 8 * 32
-    assert full["tokens_to_target"] is None  # target 6.5 is far below what 6 steps reach
     with open(tmp_path / "full" / "summary.json") as f:
-        assert json.load(f)["steps"] == 6
+        assert json.load(f) == full
+    assert full["status"] == "not_reached" and full["tokens"] == 6 * 8 * 32 and full["seed"] == 0
+    assert full["tokens_to_target"] is None and full["diverged_step"] is None  # target 7.5 is not reached
+    assert full["evals"] == [[4, 32, 4 * 8 * 32, records[4]["eval_loss"]]]
+    assert full["last_finite_losses"] == [[s + 1, loss] for s, loss in enumerate(losses)]
+    rates = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
+    assert full["tokens_per_s_median"] == pytest.approx((rates[2] + rates[3]) / 2)
     assert any(name.startswith("events") for name in os.listdir(tmp_path / "full" / "tensorboard"))
 
     # Stopped after step 3 (between checkpoints 2 and 4), then restarted with the full budget.
-    trainer.train(tiny_config(token_cache, steps=3), str(tmp_path / "resumed"))
+    train(tiny_config(token_cache, steps=3), str(tmp_path / "resumed"))
     assert sorted(checkpoint.make_manager(str(tmp_path / "resumed"), keep=3).all_steps()) == [2, 3]
-    resumed = trainer.train(config, str(tmp_path / "resumed"))
-    assert _compare(tmp_path / "resumed") == _compare(tmp_path / "full")
-    assert resumed["evals"] == full["evals"]
+    resumed = train(config, str(tmp_path / "resumed"))
+    assert compare(tmp_path / "resumed") == compare(tmp_path / "full")
+    assert resumed["evals"] == full["evals"] and resumed["resumed_from_step"] == 3
+    assert resumed["last_finite_losses"] == full["last_finite_losses"]  # the guard's window is checkpointed
+
+    # Every step is timed over the same span: the last one (fetched with no next update) is no outlier.
+    times = [r["step_time_s"] for r in records if "step_time_s" in r]
+    assert times[-1] >= 0.3 * float(np.median(times[1:-1])), times
+    assert all("peak_memory_gb" not in r for r in records)  # CPU reports no memory statistics
 
 
-# ---------------------------------------------------------------------------------- command line
-
-CONFIG = os.path.join(ROOT, "configs", "tiny_c4_h16.py")
-
-
-def cli_args(workdir, token_cache, **overrides):
-    values = {**TINY_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}
-    return ["--config", CONFIG, "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in values.items()]
+def test_target_reached_status_and_stop(tmp_path, token_cache):
+    summary = train(tiny_config(token_cache, target_eval_loss=99.0, stop_at_target=True), str(tmp_path))
+    assert summary["status"] == "reached" and summary["steps"] == summary["steps_to_target"] == 4
+    assert summary["tokens_to_target"] == 4 * 8 * 32
+    assert checkpoint.make_manager(str(tmp_path), keep=3).all_steps()[-1] == 4
 
 
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("--config.no_such_key=1", "unknown config key --config.no_such_key"),
-        ("--config.recipe=mxfp5", "unknown recipe 'mxfp5'"),
-        ("--config.mesh.tensor=3", "does not fit 8 devices"),
-        ("--config.global_batch=12", "global batch 12 is not divisible"),
-        ("--config.data.path=/no/such/dir", "/no/such/dir"),
-        ("--config.init_checkpoint=/no/such/ckpt", "init_checkpoint /no/such/ckpt does not exist"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_code_2(override, message, tmp_path, capsys):
-    assert trainer.main(["fp4jax.train", "--config", CONFIG, "--workdir", str(tmp_path), override]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+# ------------------------------------------------------------------------------ divergence and timing
 
 
-def test_nan_exits_3_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, token_cache, capsys):
-    argv = ["fp4jax.train", *cli_args(tmp_path, token_cache, debug_nan_at_step=3)]
-    assert trainer.main(argv) == 3
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: non-finite loss") and "at step 3" in err[0], err
-    assert checkpoint.make_manager(str(tmp_path), keep=3).all_steps() == [2]
-    # The kept checkpoint restores and training continues from it (the NaN was injected, not real).
-    trainer.train(tiny_config(token_cache, steps=3), str(tmp_path))
-    records = read_metrics(str(tmp_path))
-    assert [r["step"] for r in records] == [1, 2, 3] and np.isfinite([r["loss"] for r in records]).all()
+def test_loss_spike_rule_and_its_state_survives_a_resume():
+    """Mean of the last `window` losses > lowest such mean + spike_nats: diverged at that step."""
+    losses = [5.0, 4.0, 3.0, 3.0, 4.0, 6.5]  # window-2 means: 4.5, 3.5, 3.0, 3.5, 5.25
+    guard = DivergenceGuard(spike_nats=2.0, window=2)
+    verdicts = [guard.check(s, {"loss": x, "grad_norm": 1.0}) for s, x in enumerate(losses[:4], 1)]
+    resumed = DivergenceGuard(spike_nats=2.0, window=2, saved=json.loads(json.dumps(guard.state())))
+    assert verdicts == [None] * 4 and resumed.check(5, {"loss": 4.0, "grad_norm": 1.0}) is None
+    div = resumed.check(6, {"loss": 6.5, "grad_norm": 1.0})  # 5.25 > 3.0 + 2.0
+    assert (div.step, div.reason, div.value) == (6, "loss_spike", 5.25)
+    assert resumed.last_finite() == [[s, x] for s, x in enumerate(losses, 1)]
+    nan = DivergenceGuard(spike_nats=0.0, window=20).check(7, {"loss": 3.0, "grad_norm": float("inf")})
+    assert nan.reason == "non_finite_grad" and nan.value == float("inf")
+    off = DivergenceGuard(spike_nats=0.0, window=2)
+    assert all(off.check(s, {"loss": x, "grad_norm": 1.0}) is None for s, x in enumerate([1.0, 9.0, 99.0]))
 
 
-def test_cli_lowers_loss_and_sigterm_saves_and_exits_0(tmp_path, token_cache, xla_cache):
-    """The real command line in a subprocess; SIGTERM once 5 steps are logged: save, exit 0, resumable."""
-    env = dict(
-        os.environ, JAX_COMPILATION_CACHE_DIR=str(xla_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+def test_step_timer_counts_each_update_once():
+    """Laps are consecutive spans; excluded time (the probe) and restarts (eval, save) are left out."""
+    now = [0.0]
+    timer = metrics.StepTimer(clock=lambda: now[0])
+    spans = []
+    for t, action in [
+        (1.0, "lap"),
+        (2.5, "lap"),
+        (2.7, "restart"),
+        (3.7, "lap"),
+        (4.0, "exclude"),
+        (5.2, "lap"),
+    ]:
+        now[0] = t
+        if action == "lap":
+            spans.append(timer.lap())
+        elif action == "restart":
+            timer.restart()
+        else:
+            timer.exclude(0.3)
+    np.testing.assert_allclose(spans, [1.0, 1.5, 1.0, 1.2])
+
+
+# -------------------------------------------------------------------------- probe and profiler switches
+
+
+def test_diagnostics_probe_and_profiler_switch(tmp_path, token_cache, monkeypatch):
+    """diagnostics.every=2 calls the probe (contract C) on updates 2, 4, 6 with that update's batch; the
+    profile switch writes a trace of updates 3-4 that TensorBoard's profile plugin reads."""
+    import sys
+    import types
+
+    calls = []
+
+    def make_training_probe(model, recipe):
+        calls.append(recipe)
+        return lambda params, batch, key: {"diag/rows": jnp.float32(batch["inputs"].shape[0])}
+
+    monkeypatch.setitem(
+        sys.modules, "fp4jax.diagnostics", types.SimpleNamespace(make_training_probe=make_training_probe)
     )
-    cmd = [sys.executable, "-m", "fp4jax.train", *cli_args(tmp_path, token_cache, steps=100_000)]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    metrics_path = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= 5):
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "no 5 steps logged in time"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["status"] == "preempted"
-    steps = checkpoint.make_manager(str(tmp_path), keep=3).all_steps()
-    assert steps[-1] == summary["steps"] >= 5
-    losses = [r["loss"] for r in read_metrics(str(tmp_path)) if "eval_loss" not in r]
-    assert losses[-1] < losses[0]
-
-    resumed = trainer.train(tiny_config(token_cache, steps=summary["steps"] + 1), str(tmp_path))
-    assert resumed["steps"] == summary["steps"] + 1
-    assert read_metrics(str(tmp_path))[-1]["step"] == summary["steps"] + 1
+    overrides = {"diagnostics.every": 2, "profile.start_step": 3, "profile.num_steps": 2}
+    train(tiny_config(token_cache, **overrides), str(tmp_path))
+    records = [r for r in read_metrics(str(tmp_path)) if "eval_loss" not in r]
+    assert calls == ["fp8_delayed"]
+    assert [r["step"] for r in records if "diag/rows" in r] == [2, 4, 6]
+    assert all(r["diag/rows"] == 8 and r["diag_time_s"] > 0 for r in records if "diag/rows" in r)
+    traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files if f.endswith(".xplane.pb")]
+    assert len(traces) == 1

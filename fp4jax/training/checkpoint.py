@@ -1,37 +1,121 @@
-"""Orbax checkpoints of the train state and the data iterator.
+"""Orbax checkpoints of the train state and the data iterator, verified on restore.
 
-Layout: <workdir>/checkpoints/<step>/{state, data, meta}. `state` (StandardSave) is the TrainState pytree:
-step, params, opt_state, fp8_meta. `data` (JsonSave) is the data iterator's state, so that a resumed run
-reads exactly the next batch. `meta` (JsonSave) is the run's progress that is not an array: the evaluation
-history, the step that reached the target, the config. Saves are asynchronous: `save` returns once the
-arrays are copied to host, so the next (donating) train step may run while the files are written.
+Layout: <workdir>/checkpoints/<step>/{state, data, meta, fp4jax_manifest.json}. `state` (StandardSave) is
+the TrainState pytree: step, params, opt_state, fp8_meta. `data` (JsonSave) is the data iterator's state,
+so that a resumed run reads exactly the next batch. `meta` (JsonSave) is the run's progress that is not an
+array: evaluations, the step that reached the target, the divergence guard's window, the config. Saves are
+asynchronous: `save` returns once the arrays are copied to host; when orbax has finalised a step, its
+manifest (training.integrity) is written in orbax's background thread.
+
+Restore takes the newest step whose manifest verifies; a bad step is reported in one line, moved to
+checkpoints/quarantine/ and the next older one is tried.
 """
 
+import dataclasses
+import errno
+import functools
 import os
+import shutil
+import sys
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from fp4jax.data import DataError
+from fp4jax.training import integrity
+from fp4jax.training.errors import CheckpointError, DiskFullError
 
 ITEMS = ("state", "data", "meta")
+META_KEYS = ("evals", "target_step")
+
+
+def checkpoints_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
 def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+    directory = checkpoints_dir(workdir)
+    on_finalized = functools.partial(_after_finalize, directory)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+        max_to_keep=keep,
+        enable_async_checkpointing=async_save,
+        create=True,
+        async_options=ocp.AsyncOptions(post_finalization_callback=on_finalized),
     )
-    return ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), "checkpoints"), options=options, item_names=ITEMS
-    )
+    return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
+
+
+def _after_finalize(directory: str):
+    if jax.process_index() == 0:
+        integrity.write_missing_manifests(directory)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, data_state: dict, meta: dict):
-    """Starts an asynchronous save of step `step` (skipped when that step is already saved)."""
+    """Starts an asynchronous save of step `step` (skipped when that step is already saved).
+
+    DiskFullError (one line: the checkpoint, the space it needs) when this or the previous save ran out
+    of space; the failed save's temporary directory is removed and older checkpoints stay intact.
+    """
     if step in manager.all_steps():
         return
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
     )
-    manager.save(step, args=args)
+    with _disk_full_as_error(manager, state_bytes(state)):
+        manager.save(step, args=args)
+        if not manager.is_saving_in_progress():  # a synchronous save: no finalisation callback
+            _after_finalize(str(manager.directory))
+
+
+def finish(manager: ocp.CheckpointManager, state):
+    """Waits for the save in flight (its manifest included); DiskFullError as in `save`."""
+    with _disk_full_as_error(manager, state_bytes(state)):
+        manager.wait_until_finished()
+        _after_finalize(str(manager.directory))
+
+
+def state_bytes(state) -> int:
+    """Global bytes of the state's arrays: what one checkpoint of it occupies, before compression."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+class _disk_full_as_error:
+    """Context manager: a save that failed for lack of space -> DiskFullError, its tmp directory removed."""
+
+    def __init__(self, manager, needed_bytes: int):
+        self.manager, self.needed = manager, needed_bytes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or not isinstance(exc, Exception) or not _is_disk_full(exc):
+            return False
+        directory = str(self.manager.directory)
+        failed = integrity.remove_orbax_tmp_dirs(directory) if jax.process_index() == 0 else []
+        name = os.path.join(directory, failed[0].split(".")[0]) if failed else directory
+        steps = integrity.step_dirs(directory)
+        kept = f"checkpoint {steps[max(steps)]} is intact" if steps else "there is no earlier checkpoint"
+        free = shutil.disk_usage(directory).free
+        raise DiskFullError(
+            f"no space left on the device while writing checkpoint {name}: it needs about "
+            f"{self.needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; {kept}; free space or lower "
+            "--config.keep_checkpoints"
+        ) from exc
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "RESOURCE_EXHAUSTED" in str(exc) or "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def abstract_like(state, shardings):
@@ -39,18 +123,8 @@ def abstract_like(state, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
 
 
-def restore(manager_or_dir, abstract_state, step: int | None = None):
-    """(state, data_state, meta) of `step` (default: the latest) from a manager or a checkpoints directory.
-
-    A directory argument is one step's directory or a checkpoints directory (its latest step).
-    FileNotFoundError when there is nothing to restore.
-    """
-    manager = manager_or_dir
-    if isinstance(manager_or_dir, str):
-        manager, step = _manager_for_path(manager_or_dir, step)
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {manager.directory}")
+def restore(manager, abstract_state, step: int):
+    """(state, data_state, meta) of `step`, without verification (see `restore_newest_good`)."""
     args = ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
         data=ocp.args.JsonRestore(),
@@ -60,16 +134,111 @@ def restore(manager_or_dir, abstract_state, step: int | None = None):
     return restored.state, restored.data, restored.meta
 
 
-def _manager_for_path(path: str, step: int | None):
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"checkpoint path {path} does not exist; give a run's workdir/checkpoints or one step in it"
+@dataclasses.dataclass
+class Restored:
+    state: object
+    meta: dict
+    step: int
+
+
+def restore_newest_good(
+    manager, abstract_state, train_iter, *, may_move: bool = True, max_step: int | None = None
+) -> Restored | None:
+    """The newest checkpoint that verifies and restores, with the data iterator set to it; None when there
+    is no checkpoint at all (steps above `max_step` are not considered). A bad one is reported in one line
+    (stderr) and moved to the quarantine (only with `may_move`: never in another run's directory);
+    CheckpointError when every checkpoint is bad.
+
+    A checkpoint whose manifest verifies but does not fit this run (another model or data config) raises
+    CheckpointError without moving anything: it is not corrupt.
+    """
+    directory = str(manager.directory)
+    tried = [s for s in integrity.step_dirs(directory) if max_step is not None and s > max_step]
+    skipped = len(tried)
+    while (step := _newest_verified(directory, may_move, tried)) is not None:
+        step_dir = os.path.join(directory, str(step))
+        manager.reload()
+        try:
+            state, data_state, meta = restore(manager, abstract_state, step)
+            _check_meta(meta)
+            train_iter.set_state(data_state)
+        except Exception as exc:
+            reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            if integrity.has_manifest(step_dir):
+                if isinstance(exc, ValueError | KeyError):  # verified, so it fits another config
+                    raise CheckpointError(
+                        f"checkpoint {step_dir} is intact but does not fit this run ({reason}); use the "
+                        "config it was written with, or a new --workdir"
+                    ) from exc
+                raise
+            _report_bad(step_dir, f"unverified and unreadable: {reason}", may_move)
+            tried.append(step)
+            continue
+        if len(tried) > skipped:
+            _say(f"restored checkpoint {step_dir}, the newest good one")
+        return Restored(state, meta, step)
+    if len(tried) > skipped:
+        raise CheckpointError(
+            f"every checkpoint in {directory} is bad"
+            + (f", moved to {os.path.join(directory, integrity.QUARANTINE)}" if may_move else "")
+            + "; start again in a new --workdir (or remove the checkpoints) to train from scratch"
         )
+    return None
+
+
+def _check_meta(meta):
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise DataError(f"meta lacks {missing}")
+
+
+def _newest_verified(directory: str, may_move: bool, tried: list[int]) -> int | None:
+    """The newest step not yet tried whose manifest verifies (or that has none: restored unverified).
+    Process 0 reads and decides, every process gets its answer; bad steps are appended to `tried`."""
+    step = -1
+    if jax.process_index() == 0:
+        for s, step_dir in sorted(integrity.step_dirs(directory).items(), reverse=True):
+            if s in tried:
+                continue
+            if not integrity.has_manifest(step_dir):
+                _say(
+                    f"checkpoint {step_dir} has no manifest (older fp4jax, or stopped before writing it): "
+                    "restoring it unverified"
+                )
+                step = s
+                break
+            problem = integrity.verify(step_dir)
+            if problem is None:
+                step = s
+                break
+            _report_bad(step_dir, problem, may_move)
+            tried.append(s)
+    if jax.process_count() > 1:  # process 0's answer, and whether it found bad ones, for everyone
+        step, bad = (int(v) for v in multihost_utils.broadcast_one_to_all(np.int32([step, len(tried)])))
+        tried.extend([-1] * max(0, bad - len(tried)))
+        multihost_utils.sync_global_devices("fp4jax checkpoint verified")
+    return None if step < 0 else step
+
+
+def _report_bad(step_dir: str, problem: str, may_move: bool):
+    where = ""
+    if may_move and jax.process_index() == 0:
+        where = f"; moved to {integrity.quarantine(step_dir, problem)}"
+    _say(f"checkpoint {step_dir} is bad: {problem}{where}; trying the next older one")
+
+
+def _say(line: str):
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def open_init_checkpoint(path: str) -> tuple[ocp.CheckpointManager, int | None]:
+    """(read-only manager, newest step to consider) over another run's checkpoints: its workdir, its
+    checkpoints/, or one step's directory (then that step, or an older one if it is bad)."""
+    path, max_step = os.path.abspath(path), None
     base = os.path.basename(path)
     if base.isdigit() and os.path.isdir(os.path.join(path, "state")):
-        path, step = os.path.dirname(path), int(base)
+        path, max_step = os.path.dirname(path), int(base)
     elif os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    return ocp.CheckpointManager(path, options=options, item_names=ITEMS), step
+    return ocp.CheckpointManager(path, options=options, item_names=ITEMS), max_step

@@ -1,13 +1,15 @@
 """Run metrics: metrics.jsonl, TensorBoard events, the progress bar, and MFU.
 
 metrics.jsonl holds one JSON object per line. Training lines: step, loss, grad_norm, lr, tokens, sequences,
-step_time_s, tokens_per_s, mfu (when the device's peak is known). Evaluation lines: step, loss (= eval_loss),
-eval_loss, tokens, sequences, eval_time_s. `step` counts optimizer updates done; a training line's loss is
-the loss of the batch that update `step` used.
+step_time_s, tokens_per_s, mfu (when the device's peak is known), peak_memory_gb (when the device reports
+it), and every diagnostics.every updates the probe's diag/... values and diag_time_s. Evaluation lines:
+step, loss (= eval_loss), eval_loss, tokens, sequences, eval_time_s. `step` counts optimizer updates done;
+a training line's loss is the loss of the batch that update `step` used.
 """
 
 import json
 import os
+import time
 
 import jax
 
@@ -32,6 +34,45 @@ def peak_flops_per_device(device_kind: str) -> float | None:
         if key.lower() in device_kind.lower():
             return flops
     return None
+
+
+class StepTimer:
+    """Wall time of each update: from the moment the host saw the previous update finish (or the loop
+    resumed after an evaluation or a save) to the moment it sees this one finish.
+
+    The loop waits for update s's metrics before it dispatches update s + 1 (and prepares batch s + 1
+    while update s runs), so every update, the last one included, is timed over the same span: at least
+    its device time, never less, so no MFU above the device's real one.
+    """
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.last = clock()
+
+    def lap(self) -> float:
+        now = self.clock()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+    def exclude(self, seconds: float):
+        """Leaves out time the host spent on something else between updates (e.g. the probe)."""
+        self.last += seconds
+
+    def restart(self):
+        self.last = self.clock()
+
+
+def peak_memory_gb() -> float | None:
+    """The largest peak_bytes_in_use over this process's devices, in GB (None where not reported: CPU)."""
+    peaks = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # some back ends raise instead of returning None
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    return max(peaks) / 1e9 if peaks else None
 
 
 class MetricsWriter:
@@ -59,7 +100,8 @@ class MetricsWriter:
             prefix = "eval/" if "eval_loss" in record else "train/"
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float):
-                    self.tb.add_scalar(prefix + key, value, record["step"])
+                    tag = key if key.startswith("diag/") else prefix + key
+                    self.tb.add_scalar(tag, value, record["step"])
 
     def close(self):
         if not self.enabled:

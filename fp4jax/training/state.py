@@ -16,6 +16,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+# optax.tree.norm replaces the deprecated optax.global_norm (same value: the L2 norm over all leaves);
+# optax releases before optax.tree.norm existed have only the latter.
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -92,7 +96,7 @@ def train_step(
         loss, grads = loss * poison, jax.tree.map(lambda g: g * poison, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+    metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step)}
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, fp8_meta=fp8_meta)
     return new_state, metrics
 

@@ -1,0 +1,217 @@
+"""Set-up of a run before its first step: config checks, workdir, model, sharded state, jitted steps.
+
+Every check of user input here raises a `UserError` (or `fp4jax.data.DataError`) with a one-line message
+before anything is compiled; the ValueErrors of the library functions that validate config values are
+re-raised as ConfigError at their call sites only, so a ValueError from a bug elsewhere stays a bug.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import os
+import tempfile
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from fp4jax.data import DataError, load_tokenizer
+from fp4jax.models.llama import Llama, llama_config, padded_vocab_size
+from fp4jax.models.sharding import (
+    batch_sharding,
+    check_global_batch,
+    data_parallel_size,
+    init_sharded,
+    make_mesh,
+)
+from fp4jax.ops import get_recipe
+from fp4jax.ops.recipes import resolve_recipe
+from fp4jax.training.errors import ConfigError, WorkdirError
+from fp4jax.training.optimizer import make_optimizer, mlperf_lr
+from fp4jax.training.state import eval_step, make_init_fn, train_step
+
+INIT_KEY_SALT, QUANT_KEY_SALT = 0, 1
+POSITIVE_KEYS = ("steps", "global_batch", "seq_len", "grad_accum", "eval_sequences", "eval_batch_size")
+
+
+@contextlib.contextmanager
+def config_values(what: str = ""):
+    """Re-raises the ValueError of a library call that validates config values as a ConfigError."""
+    try:
+        yield
+    except DataError:
+        raise
+    except ValueError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{what}{message}") from exc
+
+
+def initialize_distributed():
+    """jax.distributed.initialize() under SLURM with several tasks (jax reads SLURM's environment), or with
+    JAX_COORDINATOR_ADDRESS plus JAX_NUM_PROCESSES and JAX_PROCESS_ID; nothing for a single process."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()
+    elif "JAX_COORDINATOR_ADDRESS" in os.environ:
+        count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+        jax.distributed.initialize(
+            num_processes=None if count is None else int(count),
+            process_id=None if index is None else int(index),
+        )
+
+
+def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy with the derived defaults filled in (MLPerf LR and warmup by global batch), values checked."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    opt = config.optimizer
+    if opt.peak_lr is None or opt.warmup_steps is None:
+        with config_values():
+            peak_lr, warmup = mlperf_lr(config.global_batch)
+        opt.peak_lr = peak_lr if opt.peak_lr is None else opt.peak_lr
+        opt.warmup_steps = warmup if opt.warmup_steps is None else opt.warmup_steps
+    for key in POSITIVE_KEYS:
+        if config[key] < 1:
+            raise ConfigError(f"config {key} must be >= 1, got {config[key]}; set --config.{key}")
+    if config.divergence.window < 1 or config.divergence.spike_nats < 0:
+        raise ConfigError("divergence.window must be >= 1 and divergence.spike_nats >= 0 (0 = no spike rule)")
+    with config_values():
+        get_recipe(config.recipe)  # unknown preset: the message lists the presets
+    return config
+
+
+def total_steps(config) -> int:
+    """The update budget: `steps`, or fewer when the token budget `max_tokens` runs out first."""
+    tokens_per_step = config.global_batch * config.seq_len
+    return min(config.steps, config.max_tokens // tokens_per_step) if config.max_tokens else config.steps
+
+
+def prepare_workdir(workdir: str) -> str:
+    """The absolute workdir, created if needed; WorkdirError naming it if it cannot be created or written."""
+    path = os.path.abspath(workdir)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise WorkdirError(
+            f"workdir {path} cannot be created or written ({reason}); pass a writable --workdir"
+        ) from exc
+    return path
+
+
+def make_run_mesh(config):
+    """The device mesh of config.mesh, with the batch checked against it."""
+    with config_values("mesh: "):
+        mesh = make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor)
+    check_batch(config, mesh)
+    return mesh
+
+
+def check_batch(config, mesh):
+    """The global batch (and each micro-batch, and the eval batch) must split evenly over the data shards."""
+    with config_values():
+        check_global_batch(config.global_batch, mesh)
+    shards = data_parallel_size(mesh)
+    micro, rem = divmod(config.global_batch, config.grad_accum)
+    if rem:
+        raise ConfigError(
+            f"global_batch {config.global_batch} is not divisible by grad_accum {config.grad_accum}; "
+            "set --config.global_batch to a multiple of grad_accum"
+        )
+    if micro % shards:
+        raise ConfigError(
+            f"micro-batch {micro} (global_batch {config.global_batch} / grad_accum {config.grad_accum}) is "
+            f"not divisible by the {shards} data-parallel shards (mesh data x fsdp); set "
+            f"--config.global_batch to a multiple of {shards * config.grad_accum} or change --config.mesh"
+        )
+    evaluating = config.eval_every_sequences > 0 or config.eval_at_end
+    if evaluating and (config.eval_batch_size % shards or config.eval_sequences % config.eval_batch_size):
+        raise ConfigError(
+            f"eval_batch_size {config.eval_batch_size} must be a multiple of the {shards} data-parallel "
+            f"shards and divide eval_sequences {config.eval_sequences}; adjust --config.eval_batch_size"
+        )
+
+
+def check_init_checkpoint(config):
+    if config.init_checkpoint and not os.path.isdir(config.init_checkpoint):
+        raise ConfigError(
+            f"init_checkpoint {config.init_checkpoint} does not exist; fix the path or set it to ''"
+        )
+
+
+def build_model(config, tokenizer):
+    """(Llama module, LlamaConfig): the size preset with the config's non-None `model` overrides."""
+    overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
+    overrides.setdefault("vocab_size", padded_vocab_size(tokenizer.vocab_size))
+    if overrides["vocab_size"] < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {overrides['vocab_size']} is smaller than tokenizer {tokenizer.name}'s "
+            f"{tokenizer.vocab_size}; leave model.vocab_size unset to derive it"
+        )
+    with config_values("model: "):
+        model_cfg = llama_config(config.model.size, **overrides)
+    if model_cfg.max_seq_len < config.seq_len:
+        model_cfg = dataclasses.replace(model_cfg, max_seq_len=config.seq_len)
+    recipe = resolve_recipe(config.recipe, config.get("fp8_scaling", "preset"))  # FP8 stages: one scaling
+    return Llama(model_cfg, recipe=recipe), model_cfg
+
+
+def build_model_and_optimizer(config):
+    """(tokenizer, model, model config, optax transform, LR schedule) of the config."""
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    model, model_cfg = build_model(config, tokenizer)
+    with config_values("optimizer: "):
+        tx, schedule = make_optimizer(config.optimizer)
+    return tokenizer, model, model_cfg, tx, schedule
+
+
+def init_train_state(model, tx, mesh, seed: int, seq_len: int):
+    """(step-0 TrainState, its shardings): initialised directly into the sharded layout."""
+    init_key = jax.random.fold_in(jax.random.key(seed), INIT_KEY_SALT)
+    init_fn = make_init_fn(model, tx, (data_parallel_size(mesh), min(seq_len, 64)))
+    return init_sharded(init_fn, mesh, init_key)
+
+
+def quant_key(seed: int):
+    """The run's quantization key; update s uses fold_in(quant_key, s) (see training.state)."""
+    return jax.random.fold_in(jax.random.key(seed), QUANT_KEY_SALT)
+
+
+def jit_steps(config, model, tx, schedule, mesh, shardings):
+    """(train step, eval step): each jitted once with explicit shardings; the train step donates the state."""
+    needs_key = get_recipe(config.recipe).needs_key
+    batch_sh = batch_sharding(mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    micro_sh = NamedSharding(mesh, PartitionSpec(None, *batch_sh.spec))
+    step = functools.partial(
+        train_step,
+        model=model,
+        tx=tx,
+        schedule=schedule,
+        needs_key=needs_key,
+        grad_accum=config.grad_accum,
+        micro_sharding=micro_sh,
+        nan_at_step=config.debug_nan_at_step,
+    )
+    batch_shs = {"inputs": batch_sh, "targets": batch_sh}
+    train_fn = jax.jit(
+        step,
+        in_shardings=(shardings, batch_shs, replicated),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(
+        functools.partial(eval_step, model=model, needs_key=needs_key),
+        in_shardings=(shardings, batch_shs, replicated),
+        out_shardings=replicated,
+    )
+    return train_fn, eval_fn
+
+
+def device_batch(local_batch: dict, mesh) -> dict:
+    """Process-local numpy rows -> global jax arrays laid out as the model's batch sharding."""
+    sharding = batch_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()
+    }

@@ -1,0 +1,89 @@
+"""<workdir>/summary.json: the run's result (contract A of the study), and whether a run is finished.
+
+status: "reached" (an evaluation at or below target_eval_loss; the run stopped there with stop_at_target,
+else trained to its budget), "not_reached" (budget spent), "diverged" (see training.divergence), or
+"preempted" (stopped by a signal after a clean save: run again to continue).
+"""
+
+import json
+import os
+import statistics
+import sys
+
+import jax
+
+from fp4jax.training.metrics import read_metrics
+
+FINISHED = ("reached", "not_reached")
+
+
+def summary_path(workdir: str) -> str:
+    return os.path.join(workdir, "summary.json")
+
+
+def finished_summary(workdir: str, config, last_step: int) -> dict | None:
+    """The summary of a run in `workdir` that has nothing left to do under `config` (it reached its target
+    and stops there, or trained `last_step` updates), else None."""
+    try:
+        with open(summary_path(workdir), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") not in FINISHED:
+        return None
+    stopped_at_target = summary["status"] == "reached" and config.stop_at_target
+    return summary if stopped_at_target or summary.get("steps", 0) >= last_step else None
+
+
+def run_summary(
+    config, meta: dict, *, status: str, step: int, devices: str, divergence=None, **extra
+) -> dict:
+    """The summary dict; `meta` holds evals ([step, sequences, tokens, eval_loss] each) and target_step."""
+    tokens_per_step = config.global_batch * config.seq_len
+    target, evals = meta["target_step"], meta["evals"]
+    return {
+        "status": status,
+        "recipe": config.recipe,
+        "seed": config.seed,
+        "steps": step,
+        "sequences": step * config.global_batch,
+        "tokens": step * tokens_per_step,
+        "target_eval_loss": config.target_eval_loss,
+        "steps_to_target": target,
+        "sequences_to_target": None if target is None else target * config.global_batch,
+        "tokens_to_target": None if target is None else target * tokens_per_step,
+        "evals": evals,
+        "last_eval_loss": evals[-1][-1] if evals else None,
+        "diverged_step": None if divergence is None else divergence.step,
+        "diverged_tokens": None if divergence is None else divergence.step * tokens_per_step,
+        "divergence_reason": None if divergence is None else divergence.reason,
+        "devices": devices,
+        **extra,
+    }
+
+
+def median_tokens_per_s(workdir: str) -> float | None:
+    """Median tokens/s over the run's training lines in metrics.jsonl (robust to compile steps)."""
+    try:
+        rates = [r["tokens_per_s"] for r in read_metrics(workdir) if "tokens_per_s" in r]
+    except (OSError, ValueError):
+        return None
+    return statistics.median(rates) if rates else None
+
+
+def write_summary(workdir: str, summary: dict):
+    """Process 0 writes summary.json (atomically) and prints it as one `summary: {...}` line."""
+    if jax.process_index() != 0:
+        return
+    path = summary_path(workdir)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    print("summary: " + json.dumps(summary, sort_keys=True), flush=True)
+
+
+def say(line: str):
+    """A one-line message for the user (stderr, process 0 only)."""
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)

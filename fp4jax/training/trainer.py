@@ -1,0 +1,289 @@
+"""The training run: set-up, restore, the loop of updates, evaluations, checkpoints and the summary.
+
+`train(config, workdir)` is the entry point (python -m fp4jax.train only parses flags and calls it). The
+loop reads top to bottom in `_run_updates`; each update s:
+  probe (every diagnostics.every updates) -> dispatch update s -> prepare batch s + 1 while it runs ->
+  fetch update s's metrics (waits for it) -> divergence guard -> metrics line -> evaluation, checkpoint
+  or stop, when due.
+A state is evaluated or saved only after its metrics were fetched and found finite.
+"""
+
+import dataclasses
+import time
+
+import jax
+import ml_collections
+
+from fp4jax.data import DataError, make_train_iterator
+from fp4jax.models.llama import flops_per_token
+from fp4jax.models.sharding import sharding_context
+from fp4jax.training import checkpoint, evaluation, hooks, metrics, setup
+from fp4jax.training import summary as summaries
+from fp4jax.training.divergence import DivergenceGuard, describe
+from fp4jax.training.preemption import StopSignals
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything the loop needs; `state` and `meta` change as it runs."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    mesh: object
+    train_iter: object
+    eval_batches: list
+    manager: object
+    state: object
+    meta: dict  # evals, target_step, guard: progress that is not an array, saved with the state
+    resumed_from: int | None
+    train_fn: object
+    eval_fn: object
+    quant_key: object
+    probe: object
+    mfu_per_token_s: float | None
+    last_step: int
+
+    @property
+    def start_step(self) -> int:
+        return 0 if self.resumed_from is None else self.resumed_from
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains until the eval target, the step/token budget, a divergence or a stop signal; returns the
+    summary (also <workdir>/summary.json). A finished run is left untouched and its summary returned.
+
+    Bad input raises a UserError or DataError with a one-line message before anything is compiled.
+    """
+    config = setup.resolve_config(config)
+    last_step = setup.total_steps(config)
+    done = summaries.finished_summary(workdir, config, last_step)
+    if done is not None:
+        summaries.say(
+            f"the run in {workdir} is finished ({done['status']} after {done['steps']} updates); its summary "
+            f"is {summaries.summary_path(workdir)}; raise --config.steps to train further"
+        )
+        return done
+    workdir = setup.prepare_workdir(workdir)
+    mesh = setup.make_run_mesh(config)
+    setup.check_init_checkpoint(config)
+    with sharding_context(mesh):
+        run = build_run(config, workdir, mesh, last_step)
+        return run_loop(run)
+
+
+def build_run(config, workdir: str, mesh, last_step: int) -> Run:
+    """Model, data, state (restored from the newest good checkpoint, if any), jitted steps."""
+    tokenizer, model, model_cfg, tx, schedule = setup.build_model_and_optimizer(config)
+    train_iter, eval_batches = load_data(config, tokenizer, mesh)
+    state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
+    manager = checkpoint.make_manager(
+        workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing
+    )
+    restored = restore(config, manager, checkpoint.abstract_like(state, shardings), train_iter)
+    meta = {"evals": [], "target_step": None, "guard": {}}
+    if restored is not None:
+        state, meta = restored.state, {**meta, **restored.meta}
+    train_fn, eval_fn = setup.jit_steps(config, model, tx, schedule, mesh, shardings)
+    peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind)
+    return Run(
+        config=config,
+        workdir=workdir,
+        mesh=mesh,
+        train_iter=train_iter,
+        eval_batches=eval_batches,
+        manager=manager,
+        state=state,
+        meta=meta,
+        resumed_from=None if restored is None else int(state.step),
+        train_fn=train_fn,
+        eval_fn=eval_fn,
+        quant_key=setup.quant_key(config.seed),
+        probe=hooks.make_probe(config, model),
+        mfu_per_token_s=flops_per_token(model_cfg, config.seq_len) / (peak * jax.device_count())
+        if peak
+        else None,
+        last_step=last_step,
+    )
+
+
+def load_data(config, tokenizer, mesh):
+    """(training iterator, device eval batches); DataError messages say which flag to set."""
+    try:
+        train_iter = make_train_iterator(
+            config.data,
+            tokenizer,
+            seq_len=config.seq_len,
+            global_batch=config.global_batch,
+            seed=config.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        return train_iter, evaluation.load_eval_set(config, tokenizer, mesh)
+    except DataError as exc:
+        raise DataError(data_hint(str(exc))) from exc
+
+
+def data_hint(message: str) -> str:
+    """fp4jax.data's message with the command-line flag that fixes it."""
+    message = message.replace("set on_bad_record='skip'", "set --config.data.on_bad_record=skip")
+    if message.startswith(("no files match", "data directory")):
+        message += "; set --config.data.path to the directory that holds the data files (docs/data.md)"
+    return message
+
+
+def restore(config, manager, abstract_state, train_iter):
+    """The workdir's newest good checkpoint, else init_checkpoint's, else None (start from scratch)."""
+    if jax.process_index() == 0:
+        checkpoint.integrity.remove_orbax_tmp_dirs(str(manager.directory))  # saves cut off mid-way
+    restored = checkpoint.restore_newest_good(manager, abstract_state, train_iter)
+    if restored is None and config.init_checkpoint:
+        other, max_step = checkpoint.open_init_checkpoint(config.init_checkpoint)
+        restored = checkpoint.restore_newest_good(
+            other, abstract_state, train_iter, may_move=False, max_step=max_step
+        )
+    return restored
+
+
+def run_loop(run: Run) -> dict:
+    """Runs the updates, waits for the last save, writes and returns the summary."""
+    config, t_run = run.config, time.perf_counter()
+    writer = metrics.MetricsWriter(run.workdir, tensorboard=config.tensorboard, resume_step=run.start_step)
+    guard = DivergenceGuard(config.divergence.spike_nats, config.divergence.window, run.meta.get("guard"))
+    try:
+        with StopSignals() as signals, hooks.Profiler(config, run.workdir) as profiler:
+            step, stop, divergence = _run_updates(run, writer, guard, signals, profiler)
+        checkpoint.finish(run.manager, run.state)
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):  # let a save in flight (of a checked state) complete
+            _finish_quietly(run.manager)
+        raise
+    finally:
+        writer.close()
+    status = stop or ("diverged" if divergence else "reached" if run.meta["target_step"] else "not_reached")
+    extra = {}
+    if divergence is not None:
+        newest = max(checkpoint.integrity.step_dirs(str(run.manager.directory)), default=None)
+        extra["divergence_message"] = describe(divergence, guard.last_finite(), run.resumed_from, newest)
+    summary = summaries.run_summary(
+        config,
+        run.meta,
+        status=status,
+        step=step,
+        devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        divergence=divergence,
+        last_finite_losses=guard.last_finite(),
+        tokens_per_s_median=summaries.median_tokens_per_s(run.workdir),
+        resumed_from_step=run.resumed_from,
+        wall_time_s=time.perf_counter() - t_run,
+        **extra,
+    )
+    summaries.write_summary(run.workdir, summary)
+    if status == "preempted":
+        saved = checkpoint.integrity.step_dirs(str(run.manager.directory)).get(step)
+        summaries.say(
+            f"stopped by {signals.requested or 'a stop signal on another process'} after update {step}; "
+            f"saved checkpoint {saved}; run the same command to continue"
+        )
+    return summary
+
+
+def _run_updates(run: Run, writer, guard, signals, profiler):
+    """The loop. Returns (last update run, stop status or None, Divergence or None)."""
+    timer = metrics.StepTimer()
+    batch, step = _next_batch(run), run.start_step
+    for step in range(run.start_step + 1, run.last_step + 1):
+        profiler.before(step)
+        probe_record = _maybe_probe(run, batch, step, timer)
+        run.state, device_metrics = run.train_fn(run.state, batch, run.quant_key)
+        data_state = run.train_iter.get_state()  # where a checkpoint of update `step` resumes reading
+        batch = _next_batch(run) if step < run.last_step else None  # host work while the device runs
+        record = _fetch(run, step, device_metrics, timer.lap())
+        profiler.after(step)
+        divergence = guard.check(step, record)
+        writer.write({**record, **probe_record})
+        if divergence is not None:
+            return step, None, divergence
+        stop = _boundary(run, step, data_state, signals.agreed(step), writer, guard, timer)
+        if stop:
+            return step, stop, None
+    return step, None, None
+
+
+def _next_batch(run: Run) -> dict:
+    return setup.device_batch(next(run.train_iter), run.mesh)
+
+
+def _maybe_probe(run: Run, batch, step: int, timer) -> dict:
+    every = run.config.diagnostics.every
+    if run.probe is None or step % every:
+        return {}
+    record = hooks.run_probe(run.probe, run.state, batch, run.quant_key, step)
+    timer.exclude(record["diag_time_s"])
+    return record
+
+
+def _fetch(run: Run, step: int, device_metrics, step_time: float) -> dict:
+    """Update `step`'s metrics line (waits for the update)."""
+    config = run.config
+    record = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    tokens_per_step = config.global_batch * config.seq_len
+    record.update(
+        step=step,
+        sequences=step * config.global_batch,
+        tokens=step * tokens_per_step,
+        step_time_s=step_time,
+        tokens_per_s=tokens_per_step / step_time,
+    )
+    if run.mfu_per_token_s:
+        record["mfu"] = record["tokens_per_s"] * run.mfu_per_token_s
+    peak = metrics.peak_memory_gb()
+    if peak is not None:
+        record["peak_memory_gb"] = peak
+    return record
+
+
+def _boundary(
+    run: Run, step: int, data_state: dict, stop_requested: bool, writer, guard, timer
+) -> str | None:
+    """Evaluation, checkpoint and stop decisions after update `step`; returns "preempted", "reached" or
+    None (go on). Time spent here is not counted in the next update's time."""
+    config = run.config
+    eval_due = evaluation.eval_due(config, step, run.last_step)
+    if eval_due:
+        _evaluate(run, step, writer)
+    reached = config.stop_at_target and run.meta["target_step"] == step
+    stop = "preempted" if stop_requested else "reached" if reached else None
+    ckpt_due = config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
+    if ckpt_due or stop or step == run.last_step:
+        meta = dict(run.meta, guard=guard.state(), config=config.to_dict())
+        checkpoint.save(run.manager, step, run.state, data_state, meta)
+        timer.restart()
+    elif eval_due:
+        timer.restart()
+    return stop
+
+
+def _evaluate(run: Run, step: int, writer):
+    config, t0 = run.config, time.perf_counter()
+    eval_loss = evaluation.evaluate(run.eval_fn, run.state, run.eval_batches, run.quant_key)
+    seqs, tokens = step * config.global_batch, step * config.global_batch * config.seq_len
+    run.meta["evals"].append([step, seqs, tokens, eval_loss])
+    if eval_loss <= config.target_eval_loss and run.meta["target_step"] is None:
+        run.meta["target_step"] = step
+    writer.write(
+        {
+            "step": step,
+            "loss": eval_loss,
+            "eval_loss": eval_loss,
+            "sequences": seqs,
+            "tokens": tokens,
+            "eval_time_s": time.perf_counter() - t0,
+        }
+    )
+
+
+def _finish_quietly(manager):
+    try:
+        manager.wait_until_finished()
+    except Exception:  # the error being raised already says what went wrong
+        pass
