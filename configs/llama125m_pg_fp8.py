@@ -1,4 +1,5 @@
-"""Single-GPU ladder rung: 125M Llama on pg_en, recipe fp8 (setup: llama125m_pg_bf16.py).
+"""Single-GPU ladder rung: 125M Llama on pg_en, recipe fp8_mlperf: delayed-scaling FP8 as in
+the MLPerf reference (setup: llama125m_pg_bf16.py).
 
     python -m fp4jax.train --config configs/llama125m_pg_fp8.py \
         --workdir runs/llama125m_pg_fp8 --config.data.path=data/pg_en
@@ -10,4 +11,4 @@ from fp4jax.configs import ladder
 
 
 def get_config():
-    return ladder.rung("125m_pg", "fp8")
+    return ladder.rung("125m_pg", "fp8_mlperf")

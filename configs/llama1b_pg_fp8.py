@@ -1,4 +1,5 @@
-"""Single-GPU 1B check, recipe fp8 (setup and token arithmetic: llama1b_pg_bf16.py).
+"""Single-GPU 1B check, recipe fp8_mlperf: delayed-scaling FP8 as in the MLPerf
+reference (setup and token arithmetic: llama1b_pg_bf16.py).
 
     python -m fp4jax.train --config configs/llama1b_pg_fp8.py \
         --workdir runs/llama1b_pg_fp8 --config.data.path=data/pg_en
@@ -8,4 +9,4 @@ from fp4jax.configs import ladder
 
 
 def get_config():
-    return ladder.rung("1b_pg", "fp8")
+    return ladder.rung("1b_pg", "fp8_mlperf")

@@ -1,5 +1,6 @@
-"""Llama 3.1-8B on C4, MLPerf llama3.1_8b setup, recipe fp8: the study's baseline: FP8 (E4M3 forward, E5M2
-gradients), per-tensor current scaling.
+"""Llama 3.1-8B on C4, MLPerf llama3.1_8b setup, recipe fp8_mlperf: the study's baseline, the FP8 of the
+MLPerf reference: Transformer Engine's "hybrid" format (E4M3 forward, E5M2 gradients) with delayed scaling
+(amax history 4, newest amax). Every rung's FP8 stages use the same scaling (config key fp8_scaling).
 
     python -m fp4jax.train --config configs/llama8b_c4_fp8.py \
         --workdir runs/llama8b_c4_fp8 --config.data.path=/data/c4/en
@@ -16,4 +17,4 @@ from fp4jax.configs import ladder
 
 
 def get_config():
-    return ladder.rung("8b_c4", "fp8")
+    return ladder.rung("8b_c4", "fp8_mlperf")

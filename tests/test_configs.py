@@ -1,34 +1,25 @@
-"""Every configs/*.py loads, has the base's keys, names a real preset, and its model eval_shapes."""
+"""Every configs/*.py imports without sys.path edits, resolves to a model, names a real preset; a rung file
+differs from its set-up's baseline only in the recipe; the proxy set-ups keep the study's rules."""
 
 import glob
 import importlib.util
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from fp4jax.configs import base
+from fp4jax.configs import base, ladder
 from fp4jax.models.llama import Llama
 from fp4jax.ops import PRESETS
 from fp4jax.train import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if not p.endswith("__init__.py"))
-LADDER = {
-    "bf16": "bf16",
-    "fp8": "fp8",
-    "fp8_delayed": "fp8_delayed",
-    "fprop": "mxfp4_fprop",
-    "fprop_dgrad": "mxfp4_fprop_dgrad",
-    "full": "mxfp4_full",
-    "full_sr": "mxfp4_full_sr",
-    "full_rht": "mxfp4_full_rht",
-    "h16": "mxfp4_full_h16",
-    "h32": "mxfp4_full_h32",
-    "h16_wgrad_only": "mxfp4_full_h16_wgrad_only",
-}
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+# File prefix -> ladder set-up, for the one-file-per-rung ladders.
+LADDER_FILES = {"llama8b_c4_": "8b_c4", "llama125m_pg_": "125m_pg"}
 
 
 def _load(path):
@@ -42,7 +33,7 @@ def _keys(cfg, prefix=""):
     out = set()
     for k, v in cfg.items():
         out.add(prefix + k)
-        if hasattr(v, "items") and k != "data":
+        if hasattr(v, "items"):
             out |= _keys(v, prefix + k + ".")
     return out
 
@@ -51,28 +42,100 @@ class _Tok:
     name, vocab_size = "gpt2", 50257
 
 
+def test_configs_import_from_anywhere_without_sys_path_edits(tmp_path):
+    """A fresh interpreter started outside the repository loads every file by path (the installed
+    package provides fp4jax.configs; nothing puts configs/ on sys.path)."""
+    script = (
+        "import importlib.util, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    spec = importlib.util.spec_from_file_location('cfg', path)\n"
+        "    module = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module)\n"
+        "    module.get_config()\n"
+        "assert not any(p.rstrip('/').endswith('configs') for p in sys.path)\n"
+        "print('ok', len(sys.argv) - 1)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, *CONFIGS], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ok", str(len(CONFIGS))]
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_loads_and_its_model_eval_shapes(path):
     cfg = _load(path)
     assert _keys(cfg) == _keys(base.get_config()), "a config adds or drops keys of fp4jax/configs/base.py"
     assert cfg.recipe in PRESETS
     with open(path) as f:
-        assert "python -m fp4jax.train --config configs/" + os.path.basename(path) in f.read()
+        text = f.read()
+    assert "python -m fp4jax.train --config configs/" + os.path.basename(path) in text
+    assert "sys.path" not in text and "/work/" not in text
     tok = _Tok()
     if cfg.data.tokenizer == "llama3":
         tok.name, tok.vocab_size = "llama3", 128256
     model, model_cfg = build_model(cfg, tok)
     assert isinstance(model, Llama) and model_cfg.vocab_size >= tok.vocab_size
-    tokens = jax.ShapeDtypeStruct((1, 32), jnp.int32)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)
-    assert "params" in shapes
+    assert model_cfg.scaled_output_init  # Megatron/NeMo's init for every Llama config
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 32), jnp.int32))
+    assert shapes["params"]  # the model has parameters
 
 
-def test_the_8b_ladder_is_complete():
-    for suffix, recipe in LADDER.items():
-        cfg = _load(os.path.join(ROOT, "configs", f"llama8b_c4_{suffix}.py"))
-        assert cfg.recipe == recipe
+@pytest.mark.parametrize("prefix", sorted(LADDER_FILES))
+def test_rung_files_differ_from_the_baseline_only_in_recipe(prefix):
+    setup = LADDER_FILES[prefix]
+    baseline = ladder.rung(setup, "bf16").to_dict()
+    found = {}
+    for path in glob.glob(os.path.join(ROOT, "configs", prefix + "*.py")):
+        cfg = _load(path).to_dict()
+        found[os.path.basename(path)[len(prefix) : -3]] = cfg.pop("recipe")
+        assert cfg == {k: v for k, v in baseline.items() if k != "recipe"}, path
+    assert found == ladder.RUNGS  # every rung has its file, and each file its rung's preset
+
+
+def test_the_8b_ladder_is_the_mlperf_setup():
+    for recipe in ladder.RUNGS.values():
+        cfg = ladder.rung("8b_c4", recipe)
         assert (cfg.model.size, cfg.global_batch, cfg.seq_len) == ("8b", 32, 8192)
         assert cfg.eval_every_sequences // cfg.global_batch == 384
         assert cfg.target_eval_loss == 3.3
         assert cfg.optimizer.peak_lr is None  # resolved by mlperf_lr(global_batch): 8e-4, 128 warmup steps
+        assert cfg.optimizer.schedule == "cosine"
+        assert (cfg.fp8_scaling, cfg.data.separator) == ("delayed", "none")  # as the reference
+    assert _load(os.path.join(ROOT, "configs", "llama8b_c4_fp8.py")).recipe == "fp8_mlperf"
+    assert _load(os.path.join(ROOT, "configs", "llama8b_c4_h16.py")).recipe == "mxfp4_full_h16"
+
+
+@pytest.mark.parametrize("setup", [s for s in ladder.SETUPS if "proxy" in s])
+def test_proxy_setups_follow_the_study_rules(setup):
+    """Constant LR after warmup, at most one epoch (pg_en: 33.3M GPT-2 training tokens), an evaluation at
+    least every 2 % of the run, and a relative data path (set data.path on the command line)."""
+    cfg = ladder.rung(setup, "mxfp4_full")
+    assert cfg.optimizer.schedule == "constant" and 0 < cfg.optimizer.warmup_steps < cfg.steps
+    tokens = cfg.steps * cfg.global_batch * cfg.seq_len
+    if setup.endswith("_pg"):
+        assert tokens <= 33_300_000
+    assert cfg.eval_every_sequences <= 0.02 * cfg.steps * cfg.global_batch
+    assert cfg.eval_at_end and not os.path.isabs(cfg.data.path)
+    assert (cfg.fp8_scaling, cfg.data.separator) == ("delayed", "none")
+    assert {c.model.size for c in ladder.ladder(setup, ladder.PROXY_RECIPES).values()} == {setup[:4]}
+
+
+def test_ladder_builder_takes_the_recipe_list_and_checks_names():
+    configs = ladder.ladder("125m_proxy_pg", ["fp8_mlperf", "mxfp4_full_h16"])
+    assert [c.recipe for c in configs.values()] == ["fp8_mlperf", "mxfp4_full_h16"]
+    assert set(ladder.PROXY_RECIPES) <= set(PRESETS)
+    with pytest.raises(ValueError, match="unknown recipe 'mxfp3'"):
+        ladder.rung("125m_proxy_pg", "mxfp3")
+    with pytest.raises(ValueError, match="unknown ladder set-up"):
+        ladder.rung("70b_c4", "bf16")
+
+
+def test_base_has_the_shared_keys_with_their_defaults():
+    c = base.get_config()
+    assert (c.divergence.spike_nats, c.divergence.window) == (0.0, 20)
+    assert c.diagnostics.every == 0
+    assert (c.profile.start_step, c.profile.num_steps) == (0, 0)
+    assert (c.fp8_scaling, c.optimizer.schedule, c.data.separator) == ("delayed", "cosine", "none")
+    assert c.model.scaled_output_init is None  # None = LlamaConfig's default, True

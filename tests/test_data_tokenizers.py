@@ -1,6 +1,7 @@
 """Tokenizers: the bundled GPT-2 BPE (token counts of the bundled sample), Llama 3 layout, bad files."""
 
 import base64
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -116,3 +117,16 @@ def test_unknown_rank_count(tmp_path):
     path.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
     with pytest.raises(DataError, match="has 256 ranks"):
         load_tokenizer(str(path))
+
+
+def test_encode_documents_separators(gpt2):
+    """ "eod" after each document, "bos" before each, "none" nothing; GPT-2 has no BOS: one-line error."""
+    texts = ["hello world", "", "hi"]
+    with_bos = dataclasses.replace(gpt2, bos_id=7)  # GPT-2 has none; any id shows where it goes
+    assert with_bos.encode_documents(texts, "bos").tolist() == [7, 31373, 995, 7, 7, 5303]
+    assert gpt2.encode_documents(texts, "none").tolist() == [31373, 995, 5303]
+    assert gpt2.encode_documents(texts, "eod").tolist() == gpt2.encode_documents(texts).tolist()
+    with pytest.raises(DataError, match="no BOS token: set data.separator"):
+        gpt2.encode_documents(texts, "bos")
+    with pytest.raises(DataError, match="unknown data.separator 'newline'"):
+        gpt2.encode_documents(texts, "newline")

@@ -230,3 +230,37 @@ def test_unknown_recipe_and_too_long_sequence():
     short = llama_config("tiny", vocab_size=256, max_seq_len=4)
     with pytest.raises(ValueError, match="max_seq_len"):
         Llama(short).init(jax.random.key(0), _tokens(T=8))
+
+
+# ----------------------------------------------------------------------------------------------------
+# initialisation: Megatron/NeMo's scaled init of the residual-writing projections
+
+
+def _kernel_std(params, layer: str) -> float:
+    """Sample std of one kind of kernel over every block (scanned: stacked on a leading axis)."""
+    leaves = [
+        np.asarray(v)
+        for path, v in jax.tree_util.tree_flatten_with_path(params)[0]
+        if any(getattr(p, "key", None) == layer for p in path)
+    ]
+    return float(np.std(np.concatenate([a.ravel() for a in leaves])))
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_output_projections_init_std(scaled):
+    """o and down ~ normal(0.02 / sqrt(2 n_layers)) when scaled (the default), else 0.02; the others 0.02.
+
+    Each kernel kind has >= 8k samples here, so the sample std is within ~1 % of the true one (its
+    standard error is std / sqrt(2 n)); 5 % tolerance cannot mistake 0.02 for 0.01 or the reverse.
+    """
+    config = dataclasses.replace(TINY, n_layers=4, scaled_output_init=scaled)
+    params = _init(config)["params"]
+    out_std = 0.02 / math.sqrt(2 * 4) if scaled else 0.02
+    assert llama.output_init_std(config) == pytest.approx(out_std)
+    for layer, want in (("o", out_std), ("down", out_std), ("q", 0.02), ("gate", 0.02), ("up", 0.02)):
+        assert _kernel_std(params, layer) == pytest.approx(want, rel=0.05), layer
+
+
+def test_scaled_output_init_is_the_default():
+    assert llama_config("8b").scaled_output_init
+    assert llama.output_init_std(llama_config("8b")) == pytest.approx(0.02 / 8)

@@ -52,10 +52,16 @@ CONTRACT = {
     "bf16": _full(NONE),
     "fp8": _FP8,
     "fp8_delayed": _FP8,  # with delayed scaling; structure checked only
+    "fp8_mlperf": _FP8,  # delayed scaling, history 4, newest amax (tests/test_recipes.py)
     "mxfp4_fprop": {**_FP8, "fprop": (MX4, MX4, None)},
     "mxfp4_fprop_dgrad": {**_FP8, "fprop": (MX4, MX4, None), "dgrad": (MX4, MX4, None)},
     "mxfp4_full": _full(MX4),
     "mxfp4_full_sr": {
+        "fprop": (MX4, MX4, None),
+        "dgrad": (MX4_SR, MX4_SR, None),
+        "wgrad": (MX4_SR, MX4_SR, None),
+    },
+    "mxfp4_full_sr_prescale": {  # SR with the 3/4 prescale (tests/test_recipes.py)
         "fprop": (MX4, MX4, None),
         "dgrad": (MX4_SR, MX4_SR, None),
         "wgrad": (MX4_SR, MX4_SR, None),
@@ -66,7 +72,8 @@ CONTRACT = {
     "mxfp4_full_h16_wgrad_only": {**_full(MX4), "wgrad": (MX4, MX4, ("deterministic", 16))},
     "mxfp8": _full(MX8),
 }
-DETERMINISTIC = [n for n in CONTRACT if n not in ("fp8_delayed", "mxfp4_full_sr", "mxfp4_full_rht")]
+STOCHASTIC = ("mxfp4_full_sr", "mxfp4_full_sr_prescale", "mxfp4_full_rht")
+DETERMINISTIC = [n for n in CONTRACT if n not in ("fp8_delayed", "fp8_mlperf", *STOCHASTIC)]
 GEMMS = ("fprop", "dgrad", "wgrad")
 
 # dimension_numbers cases, with einsum-like subscripts (lhs, rhs, out) for the reference.
@@ -188,7 +195,7 @@ def test_preset_matches_contract_table(name):
     for gemm in GEMMS:
         spec = getattr(recipe, gemm)
         a_op, b_op, rot = CONTRACT[name][gemm]
-        delayed = name == "fp8_delayed"
+        delayed = name in ("fp8_delayed", "fp8_mlperf")
         assert _describe_operand(spec.lhs) == _describe_expected(a_op, delayed), (gemm, "lhs", spec.lhs)
         assert _describe_operand(spec.rhs) == _describe_expected(b_op, delayed), (gemm, "rhs", spec.rhs)
         if rot is None:
@@ -197,7 +204,7 @@ def test_preset_matches_contract_table(name):
             assert (spec.rotation.kind, spec.rotation.size) == rot, (gemm, spec.rotation)
             if rot[0] == "random":
                 assert spec.rotation.signs == "per_call"  # re-drawn every step
-    assert recipe.needs_key == (name in ("mxfp4_full_sr", "mxfp4_full_rht"))
+    assert recipe.needs_key == (name in STOCHASTIC)
 
 
 def test_preset_names():

@@ -5,17 +5,25 @@ Other configs start from `get_config()` and change a few keys. Any key can be se
 
 Keys:
 - seed, recipe (a name in fp4jax.ops.PRESETS), steps (update budget), max_tokens (token budget; 0 = none).
+- fp8_scaling: the scaling of every FP8 operand of the recipe (fp4jax.ops.recipes.with_fp8_scaling):
+  "delayed" (the MLPerf reference's: Transformer Engine delayed scaling, amax history 4, newest amax;
+  the default), "current" (per-tensor, this step's amax) or "preset" (as the preset defines it). So the
+  FP8 stages of every MXFP4 rung are scaled exactly like the FP8 baseline.
 - model.size ("8b", "1b", "350m", "125m", "tiny") plus optional LlamaConfig overrides (None = the size's
   value; model.vocab_size None = the tokenizer's vocabulary rounded up to a multiple of 128).
+  model.scaled_output_init (None = True): attention-out and MLP-down weights drawn with std
+  init_std / sqrt(2 n_layers), as Megatron/NeMo (the reference) do; False = init_std everywhere.
 - global_batch (sequences per update), seq_len, grad_accum (micro-batches per update).
 - optimizer: AdamW; peak_lr / warmup_steps None = the MLPerf table for global_batch (16 -> 4e-4/16,
-  32 -> 8e-4/128, 64 -> 8e-4/96, 128 -> 2e-3/256); cosine to end_lr_ratio x peak at lr_decay_steps;
-  weight_decay_mask "matrices" (no decay on norm scales, Megatron's default) or "all".
+  32 -> 8e-4/128, 64 -> 8e-4/96, 128 -> 2e-3/256); schedule "cosine" (linear warmup, cosine to
+  end_lr_ratio x peak at lr_decay_steps: the reference) or "constant" (linear warmup, then peak_lr: the
+  proxy studies); weight_decay_mask "matrices" (no decay on norm scales, Megatron's default) or "all".
 - Evaluation (MLPerf protocol): eval_sequences from the start of the unshuffled validation stream, every
   eval_every_sequences training sequences; stop when the mean loss <= target_eval_loss (stop_at_target).
 - Checkpoints: every checkpoint_every_steps (0 = only final/preemption), keep_checkpoints, init_checkpoint
   (start from another run's checkpoint when the workdir has none).
-- mesh.data / mesh.fsdp / mesh.tensor (-1 = the remaining devices); data: fp4jax.data's config.
+- mesh.data / mesh.fsdp / mesh.tensor (-1 = the remaining devices); data: fp4jax.data's config, with
+  data.separator "none" here: the reference's pre-tokenized C4 has nothing between documents.
 - debug_nan_at_step: poison update N's loss and gradients (tests the NaN guard); 0 = off.
 - divergence: a run diverges at a non-finite loss or gradient norm, or, when spike_nats > 0, when the
   mean of the last `window` training losses exceeds the lowest such mean seen so far by more than
@@ -52,6 +60,7 @@ def model_config(size: str) -> ml_collections.ConfigDict:
             "rope_scaling": p(bool),
             "norm_eps": p(float),
             "init_std": p(float),
+            "scaled_output_init": p(bool),
             "max_seq_len": p(int),
             "dtype": p(str),
             "param_dtype": p(str),
@@ -68,6 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.recipe = "bf16"
+    c.fp8_scaling = "delayed"
     c.model = model_config("8b")
 
     c.global_batch = 32
@@ -80,6 +90,7 @@ def get_config() -> ml_collections.ConfigDict:
         {
             "peak_lr": config_dict.placeholder(float),
             "warmup_steps": config_dict.placeholder(int),
+            "schedule": "cosine",
             "lr_decay_steps": 1_200_000,
             "end_lr_ratio": 0.1,
             "b1": 0.9,
@@ -108,6 +119,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data = default_data_config()
     c.data.tokenizer = "llama3"
     c.data.train_glob = MLPERF_TRAIN_GLOB  # allenai/c4 en files 00768-00895; set data.path to their directory
+    c.data.separator = "none"  # as the reference's preprocessing (no --append-eod, no BOS): docs/data.md
 
     c.progress_bar = True
     c.tensorboard = True

@@ -1,37 +1,60 @@
 """The study's ladders: one set-up per scale, and a rung = that set-up with one recipe.
 
     from fp4jax.configs import ladder
-    c = ladder.rung("8b_c4", "mxfp4_full_h16")   # what configs/llama8b_c4_h16.py returns
+    c = ladder.rung("8b_c4", "mxfp4_full_h16")          # what configs/llama8b_c4_h16.py returns
+    cs = ladder.ladder("125m_proxy_pg", PROXY_RECIPES)   # {recipe: config}, for a sweep driver
 
-A rung differs from its set-up's baseline only in `recipe`, so the ladder compares recipes and nothing
-else. Set-ups:
+A rung differs from its set-up's baseline only in `recipe` (the FP8 stages of every rung use the
+set-up's `fp8_scaling`, the baseline's), so the ladder compares recipes and nothing else. Set-ups:
 - "8b_c4": Llama 3.1-8B on C4, the MLPerf llama3.1_8b setup (fp4jax.configs.base).
-- "125m_pg", "1b_pg": single-GPU checks on the pg_en books corpus (GPT-2 tokens).
+- "125m_pg", "1b_pg": single-GPU checks on the pg_en books corpus (GPT-2 tokens), MLPerf-style cosine.
+- "125m_proxy_pg", "350m_proxy_pg", "125m_proxy_c4", "350m_proxy_c4": the proxy study (below).
 - "tiny_c4": the tiny model on the bundled C4 sample, on CPU in minutes.
 RUNGS maps each rung's file suffix (configs/llama8b_c4_<suffix>.py) to its preset.
+
+Proxies, shaped like the 8B run at small scale: a constant LR after warmup (at 8B the cosine over 1.2M
+steps barely decays within the run), at most one epoch of data, an evaluation every 2 % of the run, the
+reference's document separation ("none") and FP8 scaling ("delayed"). 1,000 updates of 32 x 1024 tokens =
+32.8M tokens, just under one epoch of pg_en's 33.3M training tokens. The corpus is a json.gz directory
+given by data.path (never a machine path in a config). Sweep a rung's learning rate with
+`--config.recipe=mxfp4_full --config.optimizer.peak_lr=3e-3`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import ml_collections
 
 from fp4jax.configs import base
+from fp4jax.ops.recipes import get_recipe
 
 RUNGS: dict[str, str] = {
     "bf16": "bf16",
-    "fp8": "fp8",
-    "fp8_delayed": "fp8_delayed",
+    "fp8": "fp8_mlperf",
     "fprop": "mxfp4_fprop",
     "fprop_dgrad": "mxfp4_fprop_dgrad",
     "full": "mxfp4_full",
     "full_sr": "mxfp4_full_sr",
+    "full_sr_prescale": "mxfp4_full_sr_prescale",
     "full_rht": "mxfp4_full_rht",
     "h16": "mxfp4_full_h16",
     "h32": "mxfp4_full_h32",
     "h16_wgrad_only": "mxfp4_full_h16_wgrad_only",
 }
+
+# The LR-sensitivity sweep's recipes (issue: fp8, fprop, fprop+dgrad, full, full+SR, full+RHT, full+H16).
+PROXY_RECIPES = (
+    "fp8_mlperf",
+    "mxfp4_fprop",
+    "mxfp4_fprop_dgrad",
+    "mxfp4_full",
+    "mxfp4_full_sr",
+    "mxfp4_full_rht",
+    "mxfp4_full_h16",
+)
+PROXY_STEPS = 1000
+PROXY_EVALS = 50  # evaluations per run: one every 2 %
 
 
 def c4_8b() -> ml_collections.ConfigDict:
@@ -82,6 +105,28 @@ def tiny_c4() -> ml_collections.ConfigDict:
     c.target_eval_loss = 7.5  # reached by ~step 200 on CPU: shows the tokens-to-target bookkeeping
     c.stop_at_target = False
     c.checkpoint_every_steps = 100
+    c.fp8_scaling = "preset"  # the CPU demo and tests run each preset as it is defined
+    return c
+
+
+def proxy(size: str, corpus: str) -> ml_collections.ConfigDict:
+    """A proxy-study set-up: `size` ("125m", "350m") on `corpus` ("pg_en" or "c4", GPT-2 tokens)."""
+    if corpus not in ("pg_en", "c4"):
+        raise ValueError(f"unknown proxy corpus {corpus!r}: use 'pg_en' or 'c4'")
+    c = pg_125m()
+    c.model = base.model_config(size)
+    if corpus == "c4":  # allenai/c4 en files under data.path; the default globs of fp4jax.data
+        c.data = base.default_data_config()
+        c.data.path = "data/c4_en"
+    c.data.separator = "none"  # as the reference's pre-tokenized C4
+    c.seq_len, c.global_batch = 1024, 32
+    c.steps, c.max_tokens = PROXY_STEPS, 0
+    c.optimizer.update(schedule="constant", peak_lr=1.5e-3, warmup_steps=PROXY_STEPS // 10)
+    c.optimizer.lr_decay_steps = PROXY_STEPS  # unused by the constant schedule
+    c.eval_every_sequences = PROXY_STEPS * c.global_batch // PROXY_EVALS
+    c.eval_sequences, c.eval_batch_size = 128, 32
+    c.target_eval_loss, c.stop_at_target, c.eval_at_end = 4.0, False, True
+    c.checkpoint_every_steps = 250
     return c
 
 
@@ -89,14 +134,26 @@ SETUPS: dict[str, Callable[[], ml_collections.ConfigDict]] = {
     "8b_c4": c4_8b,
     "125m_pg": pg_125m,
     "1b_pg": pg_1b,
+    "125m_proxy_pg": lambda: proxy("125m", "pg_en"),
+    "350m_proxy_pg": lambda: proxy("350m", "pg_en"),
+    "125m_proxy_c4": lambda: proxy("125m", "c4"),
+    "350m_proxy_c4": lambda: proxy("350m", "c4"),
     "tiny_c4": tiny_c4,
 }
 
 
 def rung(setup: str, recipe: str) -> ml_collections.ConfigDict:
-    """The set-up's config with `recipe` (a preset name); an unknown set-up is a ValueError."""
+    """The set-up's config with `recipe` (a preset name); an unknown set-up or preset is a ValueError."""
     if setup not in SETUPS:
         raise ValueError(f"unknown ladder set-up {setup!r}: use one of {', '.join(SETUPS)}")
+    get_recipe(recipe)  # an unknown preset fails here, listing the valid ones
     c = SETUPS[setup]()
     c.recipe = recipe
     return c
+
+
+def ladder(
+    setup: str, recipes: Sequence[str] = tuple(RUNGS.values())
+) -> dict[str, ml_collections.ConfigDict]:
+    """{recipe: the set-up's config with that recipe}, in the order given."""
+    return {recipe: rung(setup, recipe) for recipe in recipes}

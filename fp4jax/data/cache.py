@@ -1,8 +1,9 @@
 """The pre-tokenized cache: one memory-mapped shard of token ids per document source.
 
 Layout: `<root>/tokens/<tokenizer name>-<tokenizer fingerprint>/<source name>.<key>.bin` plus a `.json`
-sidecar, where `key` hashes the source's fingerprint (path, size, mtime) and CACHE_VERSION. The `.bin` file
-is the source's token stream (each document's ids, then EOD) in `tokenizer.token_dtype`; the sidecar
+sidecar, where `key` hashes the source's fingerprint (path, size, mtime), CACHE_VERSION and the document
+separator (the default "eod" hashes as before it was a choice, so older caches stay valid). The `.bin` file
+is the source's token stream (each document's ids with its separator) in `tokenizer.token_dtype`; the sidecar
 (token, document and skipped-record counts) is written last, so a shard with a sidecar is complete. Both
 are written under temporary names and renamed atomically: hosts sharing a file system may race to build a
 shard, and none ever reads a partial one.
@@ -41,7 +42,7 @@ DOCS_PER_TASK = 256  # documents encoded per thread task: large enough to amorti
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """A cached source: `tokens` (read-only memmap) holds `num_documents` documents, each ending in EOD."""
+    """A cached source: `tokens` (read-only memmap) holds `num_documents` documents and their separators."""
 
     tokens: np.ndarray
     num_documents: int
@@ -62,16 +63,21 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def shard_paths(root: Path, tokenizer: Tokenizer, source: DocumentSource) -> tuple[Path, Path]:
-    """(.bin, .json) paths of the shard of `source` tokenized by `tokenizer`."""
-    key = hashlib.sha1(f"{CACHE_VERSION}|{source.fingerprint}".encode()).hexdigest()[:16]
+def shard_paths(
+    root: Path, tokenizer: Tokenizer, source: DocumentSource, separator: str = "eod"
+) -> tuple[Path, Path]:
+    """(.bin, .json) paths of the shard of `source` tokenized by `tokenizer` with `separator`."""
+    tag = "" if separator == "eod" else f"|{separator}"
+    key = hashlib.sha1(f"{CACHE_VERSION}|{source.fingerprint}{tag}".encode()).hexdigest()[:16]
     stem = root / "tokens" / f"{tokenizer.name}-{tokenizer.fingerprint}" / f"{source.name}.{key}"
     return stem.with_name(stem.name + ".bin"), stem.with_name(stem.name + ".json")
 
 
-def load_shard(root: Path, tokenizer: Tokenizer, source: DocumentSource) -> Shard | None:
+def load_shard(
+    root: Path, tokenizer: Tokenizer, source: DocumentSource, separator: str = "eod"
+) -> Shard | None:
     """The cached shard, or None when it is missing, partial or of another size than its sidecar says."""
-    bin_path, meta_path = shard_paths(root, tokenizer, source)
+    bin_path, meta_path = shard_paths(root, tokenizer, source, separator)
     dtype = np.dtype(tokenizer.token_dtype)
     try:
         meta = json.loads(meta_path.read_text())
@@ -87,10 +93,16 @@ def load_shard(root: Path, tokenizer: Tokenizer, source: DocumentSource) -> Shar
 
 
 def build_shard(
-    source: DocumentSource, tokenizer: Tokenizer, root: Path, num_threads: int, progress: bool = True
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    root: Path,
+    num_threads: int,
+    progress: bool = True,
+    separator: str = "eod",
 ) -> Shard:
     """Tokenizes `source` on `num_threads` threads into the cache and returns the new shard."""
-    bin_path, meta_path = shard_paths(root, tokenizer, source)
+    tokenizer.separator_ids(separator)  # an unknown separator fails before any work
+    bin_path, meta_path = shard_paths(root, tokenizer, source, separator)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     stats = ReadStats()
     bar = tqdm(
@@ -103,11 +115,13 @@ def build_shard(
     )
     with bar, _temporary(bin_path) as tmp:
         with open(tmp, "wb") as f:
-            num_tokens = _tokenize_into(f, source.documents(stats), tokenizer, num_threads, stats, bar)
+            documents = source.documents(stats)
+            num_tokens = _tokenize_into(f, documents, tokenizer, separator, num_threads, stats, bar)
         os.replace(tmp, bin_path)
     meta = {
         "source": source.fingerprint,
         "tokenizer": f"{tokenizer.name}-{tokenizer.fingerprint}",
+        "separator": separator,
         "dtype": np.dtype(tokenizer.token_dtype).name,
         "num_tokens": num_tokens,
         "num_documents": stats.documents,
@@ -116,7 +130,7 @@ def build_shard(
     with _temporary(meta_path) as tmp:
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, meta_path)
-    shard = load_shard(root, tokenizer, source)
+    shard = load_shard(root, tokenizer, source, separator)
     if shard is None:
         raise DataError(f"the cache shard {bin_path} could not be read back after writing it (disk full?)")
     return shard
@@ -132,7 +146,9 @@ def _temporary(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def _tokenize_into(f, documents: Iterable[str], tokenizer: Tokenizer, num_threads: int, stats, bar) -> int:
+def _tokenize_into(
+    f, documents: Iterable[str], tokenizer: Tokenizer, separator: str, num_threads: int, stats, bar
+) -> int:
     """Writes the token stream of `documents` to `f` in order; returns its length.
 
     Chunks of documents are encoded on a thread pool (tiktoken releases the GIL) with a bounded number in
@@ -142,7 +158,7 @@ def _tokenize_into(f, documents: Iterable[str], tokenizer: Tokenizer, num_thread
     with ThreadPoolExecutor(num_threads) as pool:
         pending = collections.deque()
         for chunk in _chunks(documents, DOCS_PER_TASK):
-            pending.append(pool.submit(tokenizer.encode_documents, chunk))
+            pending.append(pool.submit(tokenizer.encode_documents, chunk, separator))
             while len(pending) > 2 * num_threads or (pending and pending[0].done()):
                 total += _write(f, pending.popleft().result(), dtype)
                 bar.update(stats.progress - bar.n)
@@ -173,21 +189,23 @@ def load_token_stream(
     min_tokens: int | None = None,
     processes: int = 1,
     progress: bool = True,
+    separator: str = "eod",
 ) -> TokenStream:
     """The token stream of `sources` in order, read from the cache; missing shards are tokenized first.
 
-    With `min_tokens`, only the shortest prefix of `sources` holding that many tokens is read (and built).
+    `separator` marks the documents (Tokenizer.encode_documents). With `min_tokens`, only the shortest
+    prefix of `sources` holding that many tokens is read (and built).
     With `processes` > 1 missing shards are built in that many spawned worker processes (the caller's
     main module must be import-safe, i.e. guarded by `if __name__ == "__main__"`).
     """
     check_bad_record_policy(on_bad_record)
     root, num_threads = cache_root(cache_dir), num_threads or available_cpus()
     if processes > 1 and min_tokens is None:
-        _build_in_processes(sources, tokenizer, root, processes, num_threads)
+        _build_in_processes(sources, tokenizer, root, processes, num_threads, separator)
     shards = []
     for source in sources:
-        shard = load_shard(root, tokenizer, source) or build_shard(
-            source, tokenizer, root, num_threads, progress
+        shard = load_shard(root, tokenizer, source, separator) or build_shard(
+            source, tokenizer, root, num_threads, progress, separator
         )
         _check_skipped(shard, on_bad_record)
         shards.append(shard)
@@ -207,20 +225,28 @@ def _check_skipped(shard: Shard, on_bad_record: str) -> None:
 
 
 def _build_in_processes(
-    sources: Sequence[DocumentSource], tokenizer: Tokenizer, root: Path, processes: int, num_threads: int
+    sources: Sequence[DocumentSource],
+    tokenizer: Tokenizer,
+    root: Path,
+    processes: int,
+    num_threads: int,
+    separator: str,
 ) -> None:
-    missing = [s for s in sources if load_shard(root, tokenizer, s) is None]
+    missing = [s for s in sources if load_shard(root, tokenizer, s, separator) is None]
     if len(missing) < 2:
         return
     processes = min(processes, len(missing))
     threads = max(1, num_threads // processes)
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold JAX's threads
     with ProcessPoolExecutor(processes, mp_context=context) as pool:
-        jobs = [pool.submit(_build_job, s, tokenizer.file, root, threads) for s in missing]
+        jobs = [pool.submit(_build_job, s, tokenizer.file, root, threads, separator) for s in missing]
         for job in tqdm(as_completed(jobs), total=len(jobs), unit="file", desc="tokenizing"):
             job.result()
 
 
-def _build_job(source: DocumentSource, tokenizer_file: str, root: Path, num_threads: int) -> int:
-    shard = build_shard(source, load_tokenizer(tokenizer_file), root, num_threads, progress=False)
+def _build_job(
+    source: DocumentSource, tokenizer_file: str, root: Path, num_threads: int, separator: str
+) -> int:
+    tokenizer = load_tokenizer(tokenizer_file)
+    shard = build_shard(source, tokenizer, root, num_threads, progress=False, separator=separator)
     return len(shard.tokens)

@@ -19,6 +19,7 @@ from fp4jax.data.sources import (
     tfds_source,
     train_files,
 )
+from fp4jax.data.tokenizers import SEPARATORS
 
 MLPERF_TRAIN_GLOB = "c4-train.{00768..00895}-of-01024.json.gz"
 MLPERF_MERGED_TRAIN_GLOB = "c4-train.en_6.json.gz"
@@ -38,6 +39,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     cfg.tfds_train_split = "train"
     cfg.tfds_eval_split = "validation"
     cfg.tokenizer = "gpt2"  # "gpt2" | "llama3" | a path to a tiktoken / Llama 3 tokenizer.model file
+    # Between documents: "eod" (EOD after each; GPT-2's convention), "bos" (BOS before each) or "none".
+    # The MLPerf llama3.1_8b configs set "none", as the reference's preprocessing does (docs/data.md).
+    cfg.separator = "eod"
     cfg.cache_dir = ""  # "" => $FP4JAX_CACHE or ~/.cache/fp4jax
     cfg.shuffle = True  # a seeded permutation of the training windows per epoch
     cfg.on_bad_record = "error"  # "error" | "skip" (skip and count malformed records)
@@ -50,6 +54,11 @@ def check_data_config(cfg: ml_collections.ConfigDict) -> None:
     if cfg.source not in SOURCES:
         raise DataError(f"data source must be one of {SOURCES}, got {cfg.source!r}")
     check_bad_record_policy(cfg.on_bad_record)
+    if cfg.get("separator", "eod") not in SEPARATORS:
+        raise DataError(
+            f"unknown data.separator {cfg.separator!r}: "
+            f"set --config.data.separator to one of {', '.join(SEPARATORS)}"
+        )
     if cfg.num_threads < 0:
         raise DataError(f"num_threads must be >= 0 (0 = all CPUs), got {cfg.num_threads}")
 

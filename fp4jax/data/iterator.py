@@ -190,4 +190,5 @@ def _stream(cfg, tok: Tokenizer, sources: Sequence, min_tokens: int | None, prog
         on_bad_record=cfg.on_bad_record,
         min_tokens=min_tokens,
         progress=progress,
+        separator=cfg.get("separator", "eod"),
     )

@@ -1,9 +1,12 @@
-"""MLPerf packing: documents joined with EOD into one token stream, cut into overlapping windows.
+"""MLPerf packing: documents joined into one token stream, cut into overlapping windows.
+
+Documents are marked by the data config's `separator` (EOD after each, BOS before each, or nothing: the
+MLPerf reference's pre-tokenized C4 has nothing between documents; docs/data.md).
 
 With T = seq_len, window i is `stream[i*T : i*T + T + 1]`: inputs are its first T tokens, targets its last
 T. Consecutive windows share one token (the last target of window i is the first input of window i+1), so
 every token after the first is a target exactly once per epoch, as in Megatron/NeMo's GPTDataset that the
-MLPerf reference uses. Attention is causal across document boundaries (no masking at EOD); the tail of
+MLPerf reference uses. Attention is causal across document boundaries (no masking at them); the tail of
 fewer than T + 1 tokens is dropped.
 """
 
@@ -16,9 +19,10 @@ import numpy as np
 from fp4jax.data.errors import DataError
 
 
-def pack_documents(documents: Iterable[Sequence[int]], eod_id: int) -> np.ndarray:
-    """The token stream: each document's ids followed by `eod_id`, concatenated (int64)."""
-    parts = [np.append(np.asarray(doc, np.int64), eod_id) for doc in documents]
+def pack_documents(documents: Iterable[Sequence[int]], eod_id: int | None) -> np.ndarray:
+    """The token stream: each document's ids followed by `eod_id` (None: nothing), concatenated (int64)."""
+    after = [] if eod_id is None else [eod_id]
+    parts = [np.append(np.asarray(doc, np.int64), after).astype(np.int64) for doc in documents]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 

@@ -39,6 +39,7 @@ def prepare(cfg, splits: list[str], processes: int, seq_len: int) -> dict[str, d
             num_threads=cfg.num_threads,
             on_bad_record=cfg.on_bad_record,
             processes=processes if split == "train" else 1,
+            separator=cfg.get("separator", "eod"),
         )
         summary[split] = {
             "files": len(sources),

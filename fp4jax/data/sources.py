@@ -19,13 +19,12 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from fp4jax.data.assets import ASSETS_DIR, BUNDLED_DATA_DIR, first_line  # noqa: F401 (re-exported)
 from fp4jax.data.errors import DataError
 
 log = logging.getLogger(__name__)
 
 BUNDLED = "bundled"
-ASSETS_DIR = Path(__file__).parent / "assets"
-BUNDLED_DATA_DIR = ASSETS_DIR / "c4_en_sample"
 BAD_RECORD_POLICIES = ("error", "skip")
 _PROGRESS_EVERY = 1024  # lines between updates of ReadStats.progress (a tell() each)
 _TFDS_BATCH = 1024  # records fetched per ArrayRecord read
@@ -307,12 +306,6 @@ def _hide_gpus_from(tf) -> None:
         tf.config.set_visible_devices([], "GPU")
     except RuntimeError:  # TensorFlow was initialised already: its device choice is final
         pass
-
-
-def first_line(error: BaseException) -> str:
-    """The first non-empty line of an exception's message (third-party messages may span many)."""
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return lines[0].strip() if lines else type(error).__name__
 
 
 def _as_str(value) -> str:

@@ -1,7 +1,8 @@
 """Tokenizers through tiktoken: the bundled GPT-2 BPE and Meta's Llama 3.1 `tokenizer.model`.
 
 `encode` is ordinary BPE: text that spells a special token (`<|endoftext|>`) is encoded as plain text, so a
-document can never inject an EOD; the EOD id is appended by `encode_documents` after each document.
+document can never inject an EOD or BOS; `encode_documents` adds the separator between documents (the
+data config's `separator`: EOD after each document, BOS before each, or nothing; docs/data.md).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import numpy as np
 import tiktoken
 import tiktoken.load
 
+from fp4jax.data.assets import ASSETS_DIR, first_line
 from fp4jax.data.errors import DataError
-from fp4jax.data.sources import ASSETS_DIR, first_line
 
+SEPARATORS = ("eod", "bos", "none")
 GPT2_FILE = ASSETS_DIR / "tokenizers" / "gpt2" / "r50k_base.tiktoken"
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = (
@@ -72,11 +74,25 @@ class Tokenizer:
         ]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
-    def encode_documents(self, texts: Sequence[str]) -> np.ndarray:
-        """`encode(t) + [eod_id]` for each text, concatenated (uint32). Releases the GIL while it encodes."""
-        eod = np.array([self.eod_id], np.uint32)
-        parts = [a for t in texts for a in (self.encode_array(t), eod)]
+    def encode_documents(self, texts: Sequence[str], separator: str = "eod") -> np.ndarray:
+        """The texts' ids concatenated (uint32), each text marked by `separator`: "eod" appends eod_id
+        after it, "bos" puts bos_id before it, "none" adds nothing. Releases the GIL while it encodes."""
+        before, after = self.separator_ids(separator)
+        parts = [a for t in texts for a in (before, self.encode_array(t), after)]
         return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+
+    def separator_ids(self, separator: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids before, ids after) each document for `separator`; DataError for one this tokenizer lacks."""
+        none = np.zeros(0, np.uint32)
+        if separator == "eod":
+            return none, np.array([self.eod_id], np.uint32)
+        if separator == "bos" and self.bos_id is not None:
+            return np.array([self.bos_id], np.uint32), none
+        if separator == "none":
+            return none, none
+        if separator == "bos":
+            raise DataError(f"tokenizer {self.name} has no BOS token: set data.separator to 'eod' or 'none'")
+        raise DataError(f"unknown data.separator {separator!r}: use one of {', '.join(SEPARATORS)}")
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self.encoding.decode([int(i) for i in ids])

@@ -74,6 +74,10 @@ class LlamaConfig:
     rope_scaling: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Megatron/NeMo (the MLPerf reference): the projections that write into the residual stream
+    # (attention out, MLP down) draw from normal(init_std / sqrt(2 * n_layers)), so the residual's
+    # variance at init does not grow with depth. False: every matrix uses init_std.
+    scaled_output_init: bool = True
     max_seq_len: int = 8192
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
@@ -213,8 +217,13 @@ def _init(config: LlamaConfig, names: tuple[str, ...]):
     return nn.with_logical_partitioning(nn.initializers.normal(config.init_std), names)
 
 
-def _kernel_init(config: LlamaConfig, names: tuple[str, ...], shape: tuple[int, ...]):
-    """normal(init_std) drawn directly in the kernel's full shape, boxed with its logical names.
+def output_init_std(config: LlamaConfig) -> float:
+    """The std of the residual-writing projections (o, down): init_std / sqrt(2 n_layers) when scaled."""
+    return config.init_std / math.sqrt(2 * config.n_layers) if config.scaled_output_init else config.init_std
+
+
+def _kernel_init(std: float, names: tuple[str, ...], shape: tuple[int, ...]):
+    """normal(std) drawn directly in the kernel's full shape, boxed with its logical names.
 
     DenseGeneral calls its kernel_init with the *flattened* 2-D shape and unboxes the result before
     reshaping; under a mesh that unbox constrains a 2-D value with N-D names and fails. Drawing the
@@ -222,15 +231,15 @@ def _kernel_init(config: LlamaConfig, names: tuple[str, ...], shape: tuple[int, 
     """
 
     def init(key, _flat_shape, dtype=jnp.float32):
-        value = nn.initializers.normal(config.init_std)(key, shape, dtype)
+        value = nn.initializers.normal(std)(key, shape, dtype)
         return nn.LogicallyPartitioned(value, names)
 
     return init
 
 
-def _dense(config: LlamaConfig, recipe: Any, in_shape, features, names: tuple[str, ...], name: str):
+def _dense(config: LlamaConfig, recipe: Any, in_shape, features, names: tuple[str, ...], name: str, std=None):
     """A bias-free linear layer over the trailing `in_shape` dims; its dot_general is the quantized
-    chokepoint."""
+    chokepoint. Kernel init normal(std), default config.init_std."""
     features = (features,) if isinstance(features, int) else tuple(features)
     return nn.DenseGeneral(
         features=features,
@@ -238,7 +247,7 @@ def _dense(config: LlamaConfig, recipe: Any, in_shape, features, names: tuple[st
         use_bias=False,
         dtype=jnp.dtype(config.dtype),
         param_dtype=jnp.dtype(config.param_dtype),
-        kernel_init=_kernel_init(config, names, tuple(in_shape) + features),
+        kernel_init=_kernel_init(config.init_std if std is None else std, names, tuple(in_shape) + features),
         dot_general_cls=functools.partial(QuantDotGeneral, recipe=recipe),
         name=name,
     )
@@ -286,7 +295,8 @@ class Attention(nn.Module):
         v_BTKH = nn.with_logical_constraint(v_BTKH, ACT_BTKH)
         o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH, cfg.attention)
         o_BTNH = nn.with_logical_constraint(o_BTNH, ACT_BTNH)
-        out_BTD = _dense(cfg, recipe, (N, H), D, ("heads", "head_dim", "embed"), "o")(o_BTNH)
+        out_names = ("heads", "head_dim", "embed")
+        out_BTD = _dense(cfg, recipe, (N, H), D, out_names, "o", output_init_std(cfg))(o_BTNH)
         return checkpoint_name(out_BTD, "o_proj")
 
 
@@ -306,7 +316,7 @@ class Mlp(nn.Module):
         up_BTF = checkpoint_name(up_BTF, "mlp_up")
         h_BTF = nn.silu(gate_BTF.astype(jnp.float32)) * up_BTF.astype(jnp.float32)
         h_BTF = nn.with_logical_constraint(h_BTF.astype(jnp.dtype(cfg.dtype)), ACT_BTF)
-        out_BTD = _dense(cfg, recipe, (F,), D, ("mlp", "embed"), "down")(h_BTF)
+        out_BTD = _dense(cfg, recipe, (F,), D, ("mlp", "embed"), "down", output_init_std(cfg))(h_BTF)
         return checkpoint_name(out_BTD, "mlp_down")
 
 

@@ -40,7 +40,7 @@ class QuantDotGeneral(nn.Module):
 
     recipe: str | Recipe = "bf16"
     rng_collection: str = QUANT_RNG
-    amax_history_length: int = FP8_HISTORY_LENGTH
+    amax_history_length: int | None = None  # None: the recipe's fp8_amax_history_len
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
@@ -72,7 +72,7 @@ class QuantDotGeneral(nn.Module):
     def _fp8_meta(self, recipe: Recipe):
         if not recipe.uses_delayed_fp8:
             return None
-        shape = (self.amax_history_length,)
+        shape = (self.amax_history_length or recipe.fp8_amax_history_len,)
         return {
             role: self.variable(FP8_META, f"{role}_amax_history", jnp.zeros, shape, jnp.float32).value
             for role in ("lhs", "rhs", "grad")

@@ -206,11 +206,14 @@ def quantize_mx(
     scale_mode: str = "floor",
     rounding: str = "nearest_even",
     key: jax.Array | None = None,
+    prescale: float = 1.0,
 ) -> MXArray:
     """Quantizes x into MX blocks along `axis` (DESIGN.md §3, OCP MX v1.0).
 
-    Invariant: quantize_mx(x).dequantize() rounds each x / 2^e onto the element grid, with e the
-    block's shared exponent; a block holding NaN or +-Inf gets a NaN scale (and +0 data).
+    Invariant: quantize_mx(x).dequantize() rounds each prescale * x / 2^e onto the element grid, with e
+    the block's shared exponent chosen from x itself; a block holding NaN or +-Inf gets a NaN scale (and
+    +0 data). So the result represents prescale * x: with prescale 3/4 and the floor or even rule no
+    value exceeds E2M1's maximum, and stochastic rounding stays unbiased (Tseng et al. 2025).
     """
     fmt = get_elem_format(elem)
     x = jnp.asarray(x)
@@ -224,6 +227,8 @@ def quantize_mx(
     exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, scale_mode)
 
     scaled = _mul_pow2(jnp.where(finite, blocks, 0.0), -exponent)
+    if prescale != 1:
+        scaled = scaled * jnp.float32(prescale)
     magnitude = round_to_grid(jnp.abs(scaled), fmt, rounding, key)
     data = jnp.where(finite, _with_sign(magnitude, blocks), 0.0).astype(fmt.dtype)
 
@@ -288,6 +293,9 @@ def fp8_amax_history_update(history: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.roll(history, 1).at[0].set(amax(x))
 
 
-def fp8_scale_from_history(history: jax.Array, elem: str = "e4m3") -> jax.Array:
-    """Delayed scaling (Transformer-Engine style): the scale from the largest amax in the history."""
-    return fp8_scale_from_amax(jnp.max(history), elem)
+def fp8_scale_from_history(history: jax.Array, elem: str = "e4m3", algo: str = "max") -> jax.Array:
+    """Delayed scaling (Transformer Engine's DelayedScaling): the scale from the history's largest amax
+    (algo "max") or its newest one, history[0] (algo "most_recent")."""
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"unknown amax algo {algo!r}: use 'max' or 'most_recent'")
+    return fp8_scale_from_amax(jnp.max(history) if algo == "max" else history[0], elem)

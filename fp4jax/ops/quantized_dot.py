@@ -106,6 +106,7 @@ def _quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
         scale_mode=spec.scale_mode,
         rounding=spec.rounding,
         key=key,
+        prescale=spec.prescale,
     )
 
 
@@ -133,7 +134,9 @@ def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> 
         c = rotate_blocks(c, axis=-1, size=gemm.rotation.size, signs=signs)
     qa = _quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
     qc = _quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
-    return backends.matmul(qa, qc, backend=backend, precision=precision)
+    out = backends.matmul(qa, qc, backend=backend, precision=precision)
+    prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the product
+    return out if prescale == 1 else out / prescale
 
 
 def _gemm_key(key, stage: int):
@@ -146,7 +149,8 @@ def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
     scales = []
     for spec, role in zip((gemm.lhs, gemm.rhs), FP8_HISTORY_ROLES[stage], strict=True):
         delayed = spec.kind == "fp8" and spec.fp8_scaling == "delayed"
-        scales.append(quantize.fp8_scale_from_history(fp8_meta[role], spec.elem) if delayed else None)
+        algo = recipe.fp8_amax_compute_algo
+        scales.append(quantize.fp8_scale_from_history(fp8_meta[role], spec.elem, algo) if delayed else None)
     return tuple(scales)
 
 

@@ -8,18 +8,23 @@ For y = x W with tokens T, input features K and output features N:
     wgrad   dW = x^T dy     T            x              dy
 
 Every spec is a frozen, hashable dataclass, so a Recipe can be a static jit argument. The study's named
-presets live in one explicit dict, PRESETS; `get_recipe` takes a name or a Recipe.
+presets live in one explicit dict, PRESETS; `get_recipe` takes a name or a Recipe. `with_fp8_scaling`
+maps every FP8 operand of a recipe onto one FP8 scaling (the config key `fp8_scaling`), so each MXFP4
+rung keeps exactly the FP8 baseline's scaling in the stages it leaves in FP8.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from fp4jax.ops.formats import ELEM_FORMATS
+from fp4jax.ops.formats import ELEM_FORMATS, require_power_of_two
 from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
 
 QUANT_KINDS = ("none", "mx", "fp8")
 FP8_SCALINGS = ("current", "delayed")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The config key `fp8_scaling`: "preset" keeps each preset's own FP8 scaling; the others map onto it.
+FP8_SCALING_MODES = ("preset", "current", "delayed")
 ROTATION_KINDS = ("none", "deterministic", "random")
 SIGN_POLICIES = ("per_call", "per_run")
 BACKENDS = ("auto", "emulate", "native", "fp8")
@@ -37,14 +42,24 @@ class QuantSpec:
     kind "none" leaves the operand in its own dtype; "mx" is MX block quantization (elem, block_size,
     scale_mode, rounding); "fp8" is per-tensor FP8 (elem e4m3/e5m2, current or delayed scaling,
     round-half-even).
+
+    prescale (mx only): each block's scale is chosen from the operand itself, then its scaled values are
+    multiplied by prescale before rounding (quantize_mx's `prescale`); the GEMM's output is divided by
+    the product of both operands' prescales, so the product is unchanged in expectation. Why 3/4 with
+    stochastic rounding (Tseng et al. 2025): with the "even" or "floor" rule a block's largest value
+    lands in [3.5, 7) or [4, 8) times its scale, and values above E2M1's maximum 6 saturate, which
+    biases SR; times 3/4 every value is at most 5.25 or 6, inside the range, so SR is unbiased.
     """
 
     kind: str = "none"
     elem: str = "e2m1"
     block_size: int = 32
-    scale_mode: str = "even"
+    # "floor" (OCP MX v1.0's rule) is quantize_mx's default too, so a spec and a bare quantize_mx call
+    # agree; the study's MXFP4 operand (MXFP4 below) sets AMD's "even" rule explicitly.
+    scale_mode: str = "floor"
     rounding: str = "nearest_even"
     fp8_scaling: str = "current"
+    prescale: float = 1.0
 
     def __post_init__(self):
         _check_choice(self.kind, QUANT_KINDS, "quantization kind")
@@ -52,12 +67,11 @@ class QuantSpec:
         _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
         _check_choice(self.rounding, ROUNDING_MODES, "rounding")
         _check_choice(self.fp8_scaling, FP8_SCALINGS, "fp8_scaling")
-        if (
-            not isinstance(self.block_size, int)
-            or self.block_size <= 0
-            or self.block_size & (self.block_size - 1)
-        ):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
+        require_power_of_two(self.block_size, "block_size")
+        if not 0 < self.prescale <= 1:
+            raise ValueError(f"prescale must lie in (0, 1], got {self.prescale!r}")
+        if self.prescale != 1 and self.kind != "mx":
+            raise ValueError("prescale applies to MX operands only (kind='mx')")
         if self.kind == "fp8" and self.elem == "e2m1":
             raise ValueError("an fp8 operand needs elem 'e4m3' or 'e5m2', not 'e2m1'")
         if self.kind == "fp8" and self.rounding != "nearest_even":
@@ -72,8 +86,10 @@ class QuantSpec:
 class RotationSpec:
     """The rotation applied to both operands of a GEMM along its contraction axis before quantizing.
 
-    "deterministic" uses H_size; "random" uses H_size diag(s) with random signs s shared by both
-    operands, drawn from the call's key ("per_call") or fixed for the whole run by `seed` ("per_run").
+    Every block v of `size` contiguous elements (a row vector) becomes v Q. "deterministic": Q = H_size
+    (the orthonormal Sylvester-Hadamard matrix). "random": Q = diag(s) H_size, i.e. v -> (v * s) @ H_size,
+    with random signs s shared by both operands, drawn from the call's key ("per_call") or fixed for the
+    whole run by `seed` ("per_run"). Q Q^T = I, so the rotation cancels in the product.
     """
 
     kind: str = "none"
@@ -84,8 +100,7 @@ class RotationSpec:
     def __post_init__(self):
         _check_choice(self.kind, ROTATION_KINDS, "rotation kind")
         _check_choice(self.signs, SIGN_POLICIES, "sign policy")
-        if not isinstance(self.size, int) or self.size < 1 or self.size & (self.size - 1):
-            raise ValueError(f"rotation size must be a power of two, got {self.size!r}")
+        require_power_of_two(self.size, "rotation size")
 
     @property
     def needs_key(self) -> bool:
@@ -115,16 +130,27 @@ class GemmSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A linear layer's three GEMMs, and the back end that runs MX x MX GEMMs."""
+    """A linear layer's three GEMMs, the back end that runs MX x MX GEMMs, and delayed-FP8 settings.
+
+    Delayed FP8 scaling keeps, per layer, one amax history per role (x, W, dy) of
+    `fp8_amax_history_len` steps; an operand's scale is max_value / A with A the history's maximum
+    ("max") or its newest entry ("most_recent"), as in Transformer Engine's DelayedScaling. The
+    defaults are Transformer Engine's (1024, "max"); the MLPerf reference uses (4, "most_recent").
+    """
 
     fprop: GemmSpec = GemmSpec()
     dgrad: GemmSpec = GemmSpec()
     wgrad: GemmSpec = GemmSpec()
     backend: str = "auto"
     name: str = "custom"
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
 
     def __post_init__(self):
         _check_choice(self.backend, BACKENDS, "GEMM back end")
+        _check_choice(self.fp8_amax_compute_algo, AMAX_COMPUTE_ALGOS, "fp8_amax_compute_algo")
+        if not isinstance(self.fp8_amax_history_len, int) or self.fp8_amax_history_len < 1:
+            raise ValueError(f"fp8_amax_history_len must be an int >= 1, got {self.fp8_amax_history_len!r}")
 
     @property
     def gemms(self) -> tuple[GemmSpec, GemmSpec, GemmSpec]:
@@ -157,6 +183,8 @@ def _fp8_gemms(scaling: str = "current") -> dict[str, GemmSpec]:
 # AMD's production MXFP4 operand: E2M1, blocks of 32, the EVEN scale rule, the hardware's RNE cast.
 MXFP4 = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
 MXFP4_SR = dataclasses.replace(MXFP4, rounding="stochastic")
+# SR as Tseng et al. 2025 run it: values scaled by 3/4 first, so nothing saturates and SR stays unbiased.
+MXFP4_SR_PRESCALE = dataclasses.replace(MXFP4_SR, prescale=0.75)
 # NVIDIA's MXFP8 recipe: E4M3 everywhere, scales rounded up (RCEIL).
 MXFP8 = QuantSpec(kind="mx", elem="e4m3", block_size=32, scale_mode="ceil", rounding="nearest_even")
 
@@ -173,6 +201,13 @@ def _recipe(name: str, **gemms: GemmSpec) -> Recipe:
     return Recipe(**{**_fp8_gemms(), **gemms}, name=name)
 
 
+# The MLPerf llama3.1_8b reference's FP8 (NeMo MegatronMixedPrecision: fp8="hybrid",
+# fp8_amax_history_len=4, fp8_amax_compute_algo="most_recent"): Transformer Engine's hybrid format
+# (E4M3 forward, E5M2 gradients) with delayed scaling over a 4-step history, scaled by the newest amax.
+MLPERF_FP8_HISTORY_LEN = 4
+MLPERF_FP8_AMAX_ALGO = "most_recent"
+
+
 _FULL = dict(fprop=_mxfp4_gemm(), dgrad=_mxfp4_gemm(), wgrad=_mxfp4_gemm())
 
 
@@ -183,7 +218,13 @@ def _rotated(rotation: RotationSpec) -> dict[str, GemmSpec]:
 PRESETS: dict[str, Recipe] = {
     "bf16": Recipe(name="bf16"),
     "fp8": _recipe("fp8"),
-    "fp8_delayed": Recipe(**_fp8_gemms("delayed"), name="fp8_delayed"),
+    "fp8_delayed": Recipe(**_fp8_gemms("delayed"), name="fp8_delayed"),  # Transformer Engine's defaults
+    "fp8_mlperf": Recipe(
+        **_fp8_gemms("delayed"),
+        name="fp8_mlperf",
+        fp8_amax_history_len=MLPERF_FP8_HISTORY_LEN,
+        fp8_amax_compute_algo=MLPERF_FP8_AMAX_ALGO,
+    ),
     "mxfp4_fprop": _recipe("mxfp4_fprop", fprop=_mxfp4_gemm()),
     "mxfp4_fprop_dgrad": _recipe("mxfp4_fprop_dgrad", fprop=_mxfp4_gemm(), dgrad=_mxfp4_gemm()),
     "mxfp4_full": _recipe("mxfp4_full", **_FULL),
@@ -192,6 +233,12 @@ PRESETS: dict[str, Recipe] = {
         fprop=_mxfp4_gemm(),
         dgrad=_mxfp4_gemm(spec=MXFP4_SR),
         wgrad=_mxfp4_gemm(spec=MXFP4_SR),
+    ),
+    "mxfp4_full_sr_prescale": _recipe(
+        "mxfp4_full_sr_prescale",
+        fprop=_mxfp4_gemm(),
+        dgrad=_mxfp4_gemm(spec=MXFP4_SR_PRESCALE),
+        wgrad=_mxfp4_gemm(spec=MXFP4_SR_PRESCALE),
     ),
     "mxfp4_full_rht": _recipe("mxfp4_full_rht", **_rotated(RHT16)),
     "mxfp4_full_h16": _recipe("mxfp4_full_h16", **_rotated(H16)),
@@ -214,3 +261,31 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
         return PRESETS[recipe]
     except (KeyError, TypeError):
         raise ValueError(f"unknown recipe {recipe!r}: use one of {', '.join(PRESETS)} or a Recipe") from None
+
+
+def with_fp8_scaling(recipe: str | Recipe, mode: str) -> Recipe:
+    """`recipe` with every FP8 operand on one scaling; MX and unquantized operands are untouched.
+
+    mode "preset": the recipe as it is. "current": per-tensor current scaling. "delayed": the MLPerf
+    reference's delayed scaling (amax history of MLPERF_FP8_HISTORY_LEN steps, newest amax). A recipe
+    without FP8 operands comes back equal to itself, so bf16 and all-MXFP4 rungs are unaffected.
+    """
+    _check_choice(mode, FP8_SCALING_MODES, "fp8_scaling")
+    recipe = get_recipe(recipe)
+    if mode == "preset" or not any(s.kind == "fp8" for g in recipe.gemms for s in (g.lhs, g.rhs)):
+        return recipe
+
+    def spec(s: QuantSpec) -> QuantSpec:
+        return dataclasses.replace(s, fp8_scaling=mode) if s.kind == "fp8" else s
+
+    gemms = {
+        stage: dataclasses.replace(g, lhs=spec(g.lhs), rhs=spec(g.rhs))
+        for stage, g in zip(("fprop", "dgrad", "wgrad"), recipe.gemms, strict=True)
+    }
+    history = dict(fp8_amax_history_len=MLPERF_FP8_HISTORY_LEN, fp8_amax_compute_algo=MLPERF_FP8_AMAX_ALGO)
+    return dataclasses.replace(recipe, **gemms, **(history if mode == "delayed" else {}))
+
+
+def resolve_recipe(recipe: str | Recipe, fp8_scaling: str = "preset") -> Recipe:
+    """The Recipe a run trains with: the preset `recipe` under the config's `fp8_scaling` mode."""
+    return with_fp8_scaling(recipe, fp8_scaling)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-# Global batch (sequences) -> (peak LR, warmup steps), REFERENCE.md section 3.
+# Global batch (sequences) -> (peak LR, warmup steps) of the MLPerf llama3.1_8b rules.
+SCHEDULES = ("cosine", "constant")
 MLPERF_LR_TABLE = {16: (4e-4, 16), 32: (8e-4, 128), 64: (8e-4, 96), 128: (2e-3, 256)}
 
 
@@ -40,6 +41,27 @@ def lr_schedule(peak_lr: float, warmup_steps: int, decay_steps: int, end_ratio: 
     return lambda count: shifted(jnp.asarray(count) + 1)
 
 
+def constant_schedule(peak_lr: float, warmup_steps: int):
+    """Linear warmup to `peak_lr`, then constant: the proxy studies' schedule (at 8B the cosine over
+    1.2M steps barely decays within a run). Update number s = count + 1, as in `lr_schedule`."""
+    shifted = optax.join_schedules(
+        [optax.linear_schedule(0.0, peak_lr, warmup_steps), optax.constant_schedule(peak_lr)], [warmup_steps]
+    )
+    return lambda count: shifted(jnp.asarray(count) + 1)
+
+
+def make_schedule(opt_cfg):
+    """The LR schedule named by optimizer.schedule: "cosine" (MLPerf, the default) or "constant"."""
+    kind = opt_cfg.get("schedule", "cosine")
+    if kind == "cosine":
+        return lr_schedule(
+            opt_cfg.peak_lr, opt_cfg.warmup_steps, opt_cfg.lr_decay_steps, opt_cfg.end_lr_ratio
+        )
+    if kind == "constant":
+        return constant_schedule(opt_cfg.peak_lr, opt_cfg.warmup_steps)
+    raise ValueError(f"unknown optimizer.schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
+
+
 def weight_decay_mask(params, mode: str):
     """Pytree of bools: True where weight decay applies. mode "matrices" (ndim >= 2) or "all"."""
     if mode == "all":
@@ -52,9 +74,7 @@ def weight_decay_mask(params, mode: str):
 def make_optimizer(opt_cfg) -> tuple[optax.GradientTransformation, callable]:
     """(AdamW with global-norm clipping, its LR schedule) from the config's `optimizer` block."""
     weight_decay_mask(jnp.zeros(()), opt_cfg.weight_decay_mask)  # validate the mode early
-    schedule = lr_schedule(
-        opt_cfg.peak_lr, opt_cfg.warmup_steps, opt_cfg.lr_decay_steps, opt_cfg.end_lr_ratio
-    )
+    schedule = make_schedule(opt_cfg)
     chain = []
     if opt_cfg.clip_grad_norm > 0:
         chain.append(optax.clip_by_global_norm(opt_cfg.clip_grad_norm))
