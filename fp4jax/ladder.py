@@ -61,21 +61,30 @@ def parse_overrides(sets: list[str], passthrough: list[str], lrs) -> list[str]:
     return overrides
 
 
-def _numbers(text: str | None, kind):
-    return None if text is None else [kind(x) for x in text.split(",") if x.strip()]
+def _numbers(text: str | None, kind, flag: str):
+    """Comma-separated values of `kind`, None when the flag was not given."""
+    if text is None:
+        return None
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ValueError(f"{flag} {text!r}: want comma-separated {kind.__name__} values, e.g. {flag} 0,1,2")
+    return values
 
 
 def cmd_run(args, passthrough: list[str]) -> None:
-    lrs = _numbers(args.lrs, float)
+    lrs = _numbers(args.lrs, float, "--lrs")
     overrides = parse_overrides(args.set, passthrough, lrs)
     rungs = parse_rungs(args.configs, args.rung_set)
-    specs = runner.plan(rungs, _numbers(args.seeds, int), lrs)
+    specs = runner.plan(rungs, _numbers(args.seeds, int, "--seeds"), lrs)
     runner.run_grid(
         specs,
         args.root,
         overrides,
         parallel=args.parallel,
-        gpus=_numbers(args.gpus, str),
+        gpus=_numbers(args.gpus, str, "--gpus"),
         gpus_per_run=args.gpus_per_run,
         timeout_min=args.timeout_min,
         retry_failed=args.retry_failed,
@@ -89,7 +98,7 @@ def cmd_run(args, passthrough: list[str]) -> None:
 
 def cmd_report(args) -> None:
     runs = analysis.load_runs(args.root)
-    result = analysis.analyze(runs, args.baseline, args.target, _numbers(args.rungs, str))
+    result = analysis.analyze(runs, args.baseline, args.target, _numbers(args.rungs, str, "--rungs"))
     print(report.to_markdown(result))
     if args.out:
         for path in report.write(result, args.out):

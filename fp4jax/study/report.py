@@ -27,6 +27,8 @@ def seed_outcome(row: dict) -> str:
         return f"{row['tokens_to_target']:,.0f}{first}"
     if o == "diverged":
         return f"diverged @ step {row['diverged_step']}"
+    if o == "not_reached" and row["status"] == "reached":  # stopped at its config's target, above this one
+        return f"not reached (stopped at its own target, {_num(row['tokens_trained'], ',')} tokens)"
     if o == "not_reached":
         return f"not reached within budget ({_num(row['tokens_trained'], ',')} tokens)"
     if o == "failed":

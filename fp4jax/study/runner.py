@@ -179,11 +179,9 @@ def finish(job: Job, code: int, config_info: dict) -> dict:
         failure = f"timeout after {job.timeout_s / 60:g} min"
     else:
         failure = None if code in (0, runs.DIVERGED_EXIT) else f"exit code {code}"
-    if summary is None and (code != 0 or job.timed_out):
+    if summary is None:
+        failure = failure or ("exit code 0 without summary.json" if code == 0 else None)
         summary = derive(job, code, failure, config_info, wall)
-        runs.write_json(path, summary)
-    elif summary is None:
-        summary = derive(job, code, "exit code 0 without summary.json", config_info, wall)
         runs.write_json(path, summary)
     elif job.timed_out or code == runs.DIVERGED_EXIT:
         status = "failed" if job.timed_out else "diverged"
@@ -239,8 +237,13 @@ def load_config(config: str, overrides: list[str]):
     holder = config_flags.DEFINE_config_file("config", None, "", flag_values=fv, sys_argv=argv)
     try:
         fv(argv)
-    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{config} with {' '.join(overrides) or 'no overrides'}: {exc}") from None
+    except (AttributeError, KeyError) as exc:  # config_flags' way of saying "no such key"
+        key = str(exc.args[0] if exc.args else exc).strip("\"'")
+        raise ValueError(
+            f"unknown config key {key!r} in the overrides of {config}: see configs/base.py"
+        ) from None
+    except (flags.Error, TypeError, ValueError) as exc:
+        raise ValueError(f"{config} with {' '.join(overrides)}: {str(exc).splitlines()[0]}") from None
     return holder.value
 
 
@@ -302,7 +305,8 @@ def run_grid(
             for slot in [i for i in range(len(slots)) if i not in running][: len(todo)]:
                 spec = todo.pop(0)
                 running[slot] = start(spec, root, overrides, slots[slot], kind, timeout_s)
-                log(f"ladder: start {spec.label} on gpus {','.join(slots[slot]) or 'all'}")
+                where = f" on GPU {','.join(slots[slot])}" if slots[slot] else ""
+                log(f"ladder: start {spec.label}{where}")
             for slot, job in list(running.items()):
                 code = poll(job)
                 if code is not None:
