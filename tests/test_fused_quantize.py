@@ -133,6 +133,19 @@ def test_rotation_equals_rotate_blocks_where_sums_are_exact():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_rotation_spellings_give_the_same_bits():
+    x = jnp.asarray(_hard_inputs(rows=64, cols=128, seed=8))
+    for size in (16, 32):
+        signs = jnp.tile(random_signs(jax.random.key(size), size), 128 // size)[None]
+        slices = fq.hadamard_rotate(x, size, signs, spelling="slices")
+        reductions = fq.hadamard_rotate(x, size, signs, spelling="reductions")
+        # Bits equal, except that a NaN's sign is unspecified (a NaN makes its block NaN either way).
+        nan = np.isnan(np.asarray(slices))
+        np.testing.assert_array_equal(nan, np.isnan(np.asarray(reductions)))
+        np.testing.assert_array_equal(_bits(slices)[~nan], _bits(reductions)[~nan])
+        assert not np.any(_bits(slices) == 0x80000000)  # zero sums are +0 by definition
+
+
 # ----------------------------------------------------------------------------------------------------
 # XLA path
 

@@ -16,9 +16,9 @@ Invariants (tests/test_fused_quantize.py checks them bit for bit on CPU, Pallas 
     rotate_quantize(x, axis=-2, out="mx")        == quantize_mx(hadamard_rotate(swapaxes(x)), axis=-1)
     rotate_quantize(x, ..., out="fp8_fold")      == fold_mx_to_fp8(rotate_quantize(x, ..., out="mx"))
 
-`hadamard_rotate` is the one definition of the rotation both implementations use: scale by 1/sqrt(g)
-(the float32 entry of rotation.hadamard(g), exact for g = 16), then log2(g) constant-geometry butterfly
-stages of float32 adds in a fixed order. It is the same orthonormal map as rotation.rotate_blocks (a
+`hadamard_rotate` is the one definition of the rotation both implementations use: log2(g) butterfly
+stages of float32 adds in a fixed order, then one multiply by 1/sqrt(g) (the float32 entry of
+rotation.hadamard(g), exact for g = 16). It is the same orthonormal map as rotation.rotate_blocks (a
 float32 matmul) but not the same rounding: a matmul's summation order is the library's choice and
 differs between back ends, so no fused kernel can reproduce it bit for bit. The two agree exactly
 whenever the sums are exact, and within a few float32 ulps otherwise.
@@ -32,7 +32,6 @@ shape, so it matches quantize_mx bit for bit); impl="pallas" with rounding="stoc
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,25 +61,48 @@ _MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
 # the rotation (one definition, used by every implementation)
 
 
-def hadamard_rotate(v: jax.Array, size: int, sign_row: jax.Array | None = None) -> jax.Array:
-    """Rotates each run of `size` elements along v's last axis by H_size diag(signs); float32 in, out.
+def hadamard_rotate(
+    v: jax.Array, size: int, sign_row: jax.Array | None = None, *, spelling: str = "slices"
+) -> jax.Array:
+    """Rotates each run of `size` elements along v's last axis by diag(signs) H_size; float32 in and out.
 
-    v -> ((v * sign_row) / sqrt(size)) @ H_size(+-1), the butterfly in a fixed order (module docstring).
-    `sign_row` is the signs tiled to v's last axis (shape (1, n)), or None for H_size itself.
+    The definition (the rounding is part of it): v * signs, then for h = 1, 2, 4, ..., size/2 every
+    pair (i, i + h) of each group of 2h becomes (i: a + b, i + h: a - b), each sum rounded once and a
+    zero sum stored as +0; finally times c = hadamard(size)[0, 0] (1/sqrt(size) as float32: exact
+    for 16). No product feeds a sum, so no compiler can contract one into an FMA and change the bits
+    (the sign products are exact). Sums can overflow where the scaled matmul would not: only for
+    |x| near the float32 maximum, and such a block then gets a NaN scale in every implementation.
+    `spelling` only changes how it is written: "slices" (slices and a stack, which XLA fuses into one
+    loop) or "reductions" (sums over a length-2 axis, which Triton keeps in registers and warp
+    shuffles); the two give the same bits (tests/test_fused_quantize.py checks it).
     """
     rows, n = v.shape
     if sign_row is not None:
-        v = v * sign_row  # +-1: exact
-    # Scale first, like the matmul's products: exact for size 16 (0.25), one rounding for size 32.
-    v = v * float(hadamard(size)[0, 0])
-    v = v.reshape(rows * n // size, size)
-    for _ in range(int(math.log2(size))):
-        # Constant geometry: pair i with i + size/2, write (sum, difference) interleaved; log2(size)
-        # such stages give the Sylvester order. Written with split/stack so Triton can lower it.
-        a, b = jnp.split(v.reshape(v.shape[0], 2, size // 2), 2, axis=1)
-        a, b = a.reshape(v.shape[0], size // 2), b.reshape(v.shape[0], size // 2)
-        v = jnp.stack([a + b, a - b], axis=-1).reshape(v.shape[0], size)
-    return v.reshape(rows, n)
+        v = v * sign_row  # +-1: exact, and exact even if contracted into the next sum's FMA
+    h = 1
+    while h < size:
+        v3 = v.reshape(rows * n // (2 * h), 2, h)
+        v3 = _butterfly_slices(v3) if spelling == "slices" else _butterfly_reductions(v3)
+        v = v3.reshape(rows, n)
+        h *= 2
+    return v * float(hadamard(size)[0, 0])
+
+
+def _positive_zero(z: jax.Array) -> jax.Array:
+    # A reduction may start from +0 (XLA) or not (Triton): a zero sum is +0 in both spellings.
+    return jnp.where(z == 0, 0.0, z)
+
+
+def _butterfly_slices(v3: jax.Array) -> jax.Array:
+    a, b = v3[:, 0, :], v3[:, 1, :]
+    return jnp.stack([_positive_zero(a + b), _positive_zero(a - b)], axis=1)
+
+
+def _butterfly_reductions(v3: jax.Array) -> jax.Array:
+    first = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1) == 0
+    total = jnp.sum(v3, axis=1, keepdims=True)  # a + b
+    difference = jnp.sum(jnp.where(first, v3, -v3), axis=1, keepdims=True)  # a + (-b): exact negation
+    return _positive_zero(jnp.where(first, total, difference))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -190,9 +212,12 @@ def _scale_bits(exponent: jax.Array, finite: jax.Array) -> jax.Array:
 
 
 def _pack_e2m1(codes: jax.Array) -> jax.Array:
-    """Two 4-bit codes per byte, element 2i in the low nibble (float4_e2m1fn's bitcast order)."""
-    lo, hi = jnp.split(codes.reshape(-1, 2), 2, axis=1)
-    return ((lo & 0xF) | ((hi & 0xF) << 4)).reshape(-1)
+    """Two 4-bit codes per byte, element 2i in the low nibble (float4_e2m1fn's bitcast order).
+
+    Written as a sum over a length-2 axis (disjoint bits, so exact): register-local in Triton.
+    """
+    shift = 4 * jax.lax.broadcasted_iota(jnp.int32, (1, 2), 1)
+    return jnp.sum((codes.reshape(-1, 2) & 0xF) << shift, axis=1)
 
 
 def _fold_codes(codes, exponent, nonzero, row_top, nan_row, shift: int):

@@ -50,7 +50,7 @@ def _load_tile(x_ref, column: bool, rows=slice(None), cols=slice(None)):
 def _rotate(t, rotation, s_ref):
     if rotation.kind == "none":
         return t
-    return fq.hadamard_rotate(t, rotation.size, None if s_ref is None else s_ref[...])
+    return fq.hadamard_rotate(t, rotation.size, None if s_ref is None else s_ref[...], spelling="reductions")
 
 
 def _params():
@@ -128,7 +128,7 @@ def _fold_kernel(x_ref, *refs, column, spec, rotation, has_signs, chunk, n_chunk
         t = _load_tile(x_ref, column, rows=window) if column else _load_tile(x_ref, column, cols=window)
         if s_ref is None:
             return _rotate(t, rotation, None)
-        return fq.hadamard_rotate(t, rotation.size, s_ref[:, window])
+        return fq.hadamard_rotate(t, rotation.size, s_ref[:, window], spelling="reductions")
 
     def per_row(v, rows):
         return v.reshape(rows, nb)

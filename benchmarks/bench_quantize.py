@@ -1,0 +1,212 @@
+"""Fused rotate+quantize(+fold) against the reference XLA path: effective TB/s and bit-equality, on GPU.
+
+    PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
+        [--mx-tile 32x256] [--fold-rows 16] [--fold-chunk 256] [--warps 4] [--out FILE.md]
+
+For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
+the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: contract B's E4M3 +
+int32 row exponents), it times
+
+  reference  what quantized_dot runs today: rotation.rotate_blocks (a float32 matmul), quantize_mx,
+             and fold_mx_to_fp8 for fp8_fold (the column layout swaps axes first),
+  xla        fused_quantize's XLA formulation,
+  pallas     fused_quantize's Triton kernels,
+
+as the median over `--iters` calls, cycling over three different inputs so that nothing stays in L2.
+Effective TB/s = (bytes of the bf16 input + bytes of the outputs) / median time; the copy ceiling is a
+plain bf16 `x * 2` (read + write). `same` says whether the result equals, bit for bit, the reference
+path with fused_quantize's rotation (hadamard_rotate, the rotation both fused paths share); `vs matmul`
+gives the fraction of output bytes that differ from the literal reference (its matmul rotation rounds
+differently, so H16 rows may differ in a few elements; rows without rotation must show 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4jax.ops import quantize
+from fp4jax.ops.kernels import fold
+from fp4jax.ops.kernels import fused_quantize as fq
+from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+from fp4jax.ops.recipes import QuantSpec, RotationSpec
+from fp4jax.ops.rotation import rotate_blocks
+
+SPEC = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
+ROTATIONS = {"none": RotationSpec(), "H16": RotationSpec(kind="deterministic", size=16)}
+
+
+def _reference_fn(axis: int, rotation: RotationSpec, out: str, rotate):
+    """The unfused path: rotate (matmul or the shared butterfly), quantize_mx, fold."""
+
+    def run(x):
+        xt = x if axis == -1 else jnp.swapaxes(x, -1, -2)
+        v = xt.astype(jnp.float32)
+        if rotation.kind != "none":
+            v = rotate(v, rotation.size)
+        mx = quantize.quantize_mx(
+            v, axis=-1, elem=SPEC.elem, block_size=SPEC.block_size, scale_mode=SPEC.scale_mode
+        )
+        return mx if out == "mx" else fold.fold_mx_to_fp8(mx)
+
+    return jax.jit(run)
+
+
+def _matmul_rotate(v, size):
+    return rotate_blocks(v, axis=-1, size=size)
+
+
+def _butterfly_rotate(v, size):
+    return fq.hadamard_rotate(v.reshape(-1, v.shape[-1]), size).reshape(v.shape)
+
+
+def _fused_fn(axis: int, rotation: RotationSpec, out: str, impl: str):
+    def run(x):
+        return fq.rotate_quantize(x, axis=axis, spec=SPEC, rotation=rotation, out=out, impl=impl)
+
+    return jax.jit(run)
+
+
+def _leaves_u8(result) -> list[np.ndarray]:
+    """Every output array as raw bytes (bit patterns, so -0 and NaN compare exactly)."""
+    if isinstance(result, quantize.MXArray):
+        data = jax.lax.bitcast_convert_type(result.data.astype(jnp.float32), jnp.uint32)
+        scale = jax.lax.bitcast_convert_type(result.scale, jnp.uint8)
+        return [np.asarray(data), np.asarray(scale)]
+    data = jax.lax.bitcast_convert_type(result.data, jnp.uint8)
+    return [np.asarray(data), np.asarray(result.row_exponent), np.asarray(result.flushed_blocks)]
+
+
+def _differ_fraction(a, b) -> float:
+    data_a, data_b = _leaves_u8(a)[0], _leaves_u8(b)[0]
+    return float(np.mean(data_a != data_b)) if data_a.shape == data_b.shape else 1.0
+
+
+def _same(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(_leaves_u8(a), _leaves_u8(b), strict=True))
+
+
+def _time(fn, inputs, iters: int) -> float:
+    for x in inputs:
+        jax.block_until_ready(fn(x))
+    times = []
+    for i in range(iters):
+        x = inputs[i % len(inputs)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _io_bytes(m: int, k: int, out: str) -> int:
+    read = 2 * m * k
+    written = m * k // 2 + m * k // 32 if out == "mx" else m * k + 4 * m + 4
+    return read + written
+
+
+def _copy_ceiling(inputs, iters: int) -> float:
+    seconds = _time(jax.jit(lambda x: x * 2), inputs, iters)
+    return 4 * inputs[0].size / seconds / 1e12
+
+
+def run(shapes, iters: int) -> list[tuple]:
+    rows = []
+    for m, k in shapes:
+        keys = jax.random.split(jax.random.key(0), 3)
+        # Heavy-ish tails, like activations: a normal times a log-normal per row.
+        inputs = [
+            (jax.random.normal(kk, (m, k)) * jnp.exp(jax.random.normal(kk, (m, 1)))).astype(jnp.bfloat16)
+            for kk in keys
+        ]
+        ceiling = _copy_ceiling(inputs, iters)
+        print(f"{m}x{k} bf16: copy (x*2) {ceiling:.2f} TB/s", flush=True)
+        rows.append((f"{m}x{k}", "-", "-", "-", "copy x*2", 0.0, ceiling, "", ""))
+        for rot_name, rotation in ROTATIONS.items():
+            for layout, axis in (("row", -1), ("col", -2)):
+                for out in fq.OUTPUTS:
+                    rows += _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters)
+    return rows
+
+
+def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters):
+    rows = []
+    reference = _reference_fn(axis, rotation, out, _matmul_rotate)
+    same_rotation = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
+    literal = reference(inputs[0])
+    candidates = {"reference": reference, "xla": _fused_fn(axis, rotation, out, "xla")}
+    candidates["pallas"] = _fused_fn(axis, rotation, out, "pallas")
+    for impl, fn in candidates.items():
+        try:
+            seconds = _time(fn, inputs, iters)
+            result = fn(inputs[0])
+            same = "-" if impl == "reference" else ("yes" if _same(result, same_rotation) else "NO")
+            differ = f"{_differ_fraction(result, literal):.2e}"
+            tbs = _io_bytes(m, k, out) / seconds / 1e12
+        except Exception as e:  # a kernel that fails to compile is a row of the table, not a crash
+            traceback.print_exc()
+            seconds, tbs, same, differ = float("nan"), float("nan"), f"FAILED {type(e).__name__}", ""
+        rows.append((f"{m}x{k}", rot_name, layout, out, impl, seconds * 1e6, tbs, same, differ))
+        print(
+            f"{m}x{k} {rot_name:4s} {layout} {out:8s} {impl:9s} {seconds * 1e6:9.1f} us "
+            f"{tbs:6.2f} TB/s  same={same} vs_matmul={differ}",
+            flush=True,
+        )
+    return rows
+
+
+def to_markdown(rows, command: str) -> str:
+    device = jax.devices()[0]
+    lines = [
+        f"### Fused rotate+quantize on {device.device_kind} "
+        f"({datetime.date.today().isoformat()}, jax {jax.__version__})",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| shape | rotation | layout | out | impl | median us | TB/s | same | vs matmul |",
+        "|---|---|---|---|---|---:|---:|---|---:|",
+    ]
+    for shape, rot, layout, out, impl, us, tbs, same, differ in rows:
+        cells = (shape, rot, layout, out, impl, f"{us:.1f}", f"{tbs:.2f}", same, differ)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _pair(text: str) -> tuple[int, int]:
+    a, b = text.split("x")
+    return int(a), int(b)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8192x8192,16384x4096", help="MxK,... (bf16 operands)")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--mx-tile", default="x".join(map(str, kernels.MX_TILE)), help="rows x cols")
+    parser.add_argument("--fold-rows", type=int, default=kernels.FOLD_ROWS)
+    parser.add_argument("--fold-chunk", type=int, default=kernels.FOLD_CHUNK)
+    parser.add_argument("--warps", type=int, default=kernels.NUM_WARPS)
+    parser.add_argument("--out", default="", help="write the markdown table here")
+    args = parser.parse_args()
+    kernels.MX_TILE = _pair(args.mx_tile)
+    kernels.FOLD_ROWS, kernels.FOLD_CHUNK, kernels.NUM_WARPS = args.fold_rows, args.fold_chunk, args.warps
+    shapes = [_pair(s) for s in args.shapes.split(",")]
+    rows = run(shapes, args.iters)
+    command = (
+        f"python benchmarks/bench_quantize.py --shapes {args.shapes} --mx-tile {args.mx_tile} "
+        f"--fold-rows {args.fold_rows} --fold-chunk {args.fold_chunk} --warps {args.warps}"
+    )
+    table = to_markdown(rows, command)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
