@@ -357,58 +357,76 @@ def layer_key(key, layer: int, kind: str):
     )
 
 
-def _stack_stats(per_layer: list[dict]) -> dict:
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+def _signature(ops: LayerOperands) -> tuple:
+    return tuple((a.shape, str(a.dtype)) for a in (ops.x, ops.w, ops.dy))
 
 
 def model_stats(
     model_cfg: LlamaConfig, recipe: str | Recipe, operands: dict, key=None, *, n_draws: int = 0
-) -> dict[str, dict[str, dict[str, jax.Array]]]:
-    """{kind: {gemm: {quantity: float32[n_layers]}}} for captured `operands` (capture_operands).
+) -> dict[tuple[int, str], dict[str, dict[str, jax.Array]]]:
+    """{(layer, kind): {gemm: {quantity: scalar}}} for captured `operands` (capture_operands).
 
-    Layers of one kind and one recipe run under one lax.scan over their stacked operands, so a jitted
-    probe compiles each kind's GEMMs once, not once per layer.
+    Layers with the same operand shapes and recipe (every block's q and o, k and v, gate and up, ...)
+    run under one lax.scan over their stacked operands, so a jitted probe compiles the statistics of
+    each distinct GEMM shape once, not once per layer and kind.
     """
     recipes = layer_recipes(model_cfg, recipe)
-    if get_recipe(recipe).needs_key and key is None:
-        raise ValueError(f"recipe {get_recipe(recipe).name!r} draws random numbers: pass a key")
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for layer, kind in operands:
+        groups.setdefault((_signature(operands[(layer, kind)]), recipes[layer]), []).append((layer, kind))
     out = {}
-    for kind in LAYER_KINDS:
-        chunks = []
-        for start, stop, _ in block_segments(model_cfg):
-            layers = list(range(start, stop))
-            stacked = _stack_stats([operands[(i, kind)] for i in layers])
-            keys = None if key is None else jnp.stack([layer_key(key, i, kind) for i in layers])
+    for (_, group_recipe), items in groups.items():
+        if group_recipe.needs_key and key is None:
+            raise ValueError(f"recipe {group_recipe.name!r} draws random numbers: pass a key")
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[operands[item] for item in items])
+        keys = None
+        if group_recipe.needs_key:
+            keys = jnp.stack([layer_key(key, layer, kind) for layer, kind in items])
 
-            def body(_, xs, seg_recipe=recipes[start]):
-                ops, k = xs
-                return None, layer_stats(ops, seg_recipe, k, n_draws=n_draws)
+        def body(_, xs, group_recipe=group_recipe):
+            ops, k = xs
+            return None, layer_stats(ops, group_recipe, k, n_draws=n_draws)
 
-            chunks.append(jax.lax.scan(body, None, (stacked, keys))[1])
-        out[kind] = jax.tree.map(lambda *xs: jnp.concatenate(xs), *chunks)
+        stats = jax.lax.scan(body, None, (stacked, keys))[1]
+        for j, item in enumerate(items):
+            out[item] = jax.tree.map(lambda v, j=j: v[j], stats)
     return out
 
 
-def summarize(stats: dict) -> dict[str, jax.Array]:
-    """Flat "diag/<kind>/<gemm>/<quantity>" scalars (the mean over layers; exp_min / exp_max: the min /
-    max over layers) plus "diag/layer_<i>/wgrad/out_rel_err": the relative error of layer i's whole
-    weight gradient, all seven kinds pooled (sqrt(sum err^2) / sqrt(sum ref^2))."""
+def _reduction(quantity: str):
+    if quantity.endswith("exp_min"):
+        return jnp.min
+    return jnp.max if quantity.endswith("exp_max") else jnp.mean
+
+
+def summarize(stats: dict, high_precision_layers: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+    """Flat scalars from model_stats' output.
+
+    "diag/<kind>/<gemm>/<quantity>": the mean over the layers that run the recipe (layers in
+    `high_precision_layers`, the config's bf16 blocks, are left out unless every layer is one; exp_min /
+    exp_max: the min / max). "diag/layer_<i>/wgrad/out_rel_err": the relative error of layer i's whole
+    weight gradient, its seven kinds pooled: sqrt(sum err^2 / sum ref^2).
+    """
+    layers = sorted({layer for layer, _ in stats})
+    counted = [i for i in layers if i not in high_precision_layers] or layers
     flat = {}
-    for kind, by_gemm in stats.items():
-        for gemm, quantities in by_gemm.items():
-            for name, values in quantities.items():
-                if name in ("out_err_sq", "out_ref_sq"):
-                    continue
-                reduce = (
-                    jnp.min if name.endswith("exp_min") else jnp.max if name.endswith("exp_max") else jnp.mean
-                )
-                flat[f"diag/{kind}/{gemm}/{name}"] = reduce(values)
-    err_sq = sum(stats[kind]["wgrad"]["out_err_sq"] for kind in stats)
-    ref_sq = sum(stats[kind]["wgrad"]["out_ref_sq"] for kind in stats)
-    per_layer = jnp.sqrt(_ratio(err_sq, ref_sq))
-    for i in range(per_layer.shape[0]):
-        flat[f"diag/layer_{i:02d}/wgrad/out_rel_err"] = per_layer[i]
+    for kind in LAYER_KINDS:
+        for gemm in GEMMS:
+            per_layer = [stats[(i, kind)][gemm] for i in counted if (i, kind) in stats]
+            for name in per_layer[0] if per_layer else ():
+                if name not in ("out_err_sq", "out_ref_sq"):
+                    values = jnp.stack([s[name] for s in per_layer])
+                    flat[f"diag/{kind}/{gemm}/{name}"] = _reduction(name)(values)
+    for i in layers:
+        wgrad = [s["wgrad"] for (layer, _), s in stats.items() if layer == i]
+        err_sq, ref_sq = sum(w["out_err_sq"] for w in wgrad), sum(w["out_ref_sq"] for w in wgrad)
+        flat[f"diag/layer_{i:02d}/wgrad/out_rel_err"] = jnp.sqrt(_ratio(err_sq, ref_sq))
     return flat
+
+
+def high_precision_layers(model_cfg: LlamaConfig) -> tuple[int, ...]:
+    """The blocks that run "bf16" whatever the recipe (config bf16_first_blocks / bf16_last_blocks)."""
+    return tuple(i for start, stop, hp in block_segments(model_cfg) if hp for i in range(start, stop))
 
 
 def make_training_probe(model: Llama, recipe: str | Recipe, *, n_draws: int = 4):
@@ -425,6 +443,6 @@ def make_training_probe(model: Llama, recipe: str | Recipe, *, n_draws: int = 4)
     def probe(params, batch, key):
         _, operands = capture_operands(model_cfg, params, batch)
         stats = model_stats(model_cfg, recipe, operands, key if recipe.needs_key else None, n_draws=n_draws)
-        return summarize(stats)
+        return summarize(stats, high_precision_layers(model_cfg))
 
     return jax.jit(probe)
