@@ -2,7 +2,8 @@
 
     python -m fp4jax.ladder run --root runs/ladder --seeds 0,1,2 --parallel 2 \
         configs/llama125m_pg_fp8.py configs/llama125m_pg_full.py [NAME=CONFIG ...] \
-        [--set steps=2000 ...] [--rung-set NAME:key=value ...] [--lrs 3e-4,1e-3,3e-3] [-- --config.X=Y ...]
+        [--set steps=2000 ...] [--rung-set NAME:key=value ...] [--rung-seeds NAME:0,1,2 ...] \
+        [--lrs 3e-4,1e-3,3e-3] [--recipes fp8_mlperf,mxfp4_full,...] [-- --config.X=Y ...]
     python -m fp4jax.ladder report --root runs/ladder --baseline llama125m_pg_fp8 [--target config] \
         --out docs/results/ladder
 
@@ -21,6 +22,7 @@ the baseline runs' best eval loss, plus MARGIN).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import signal
@@ -29,21 +31,29 @@ import sys
 from fp4jax.study import analysis, report, runner
 
 
-def parse_rungs(specs: list[str], rung_sets: list[str]) -> list[runner.Rung]:
-    """[NAME=]CONFIG positional specs (NAME defaults to the file's stem) and NAME:key=value overrides."""
+def parse_rungs(specs, rung_sets=(), rung_seeds=(), recipes=None) -> list[runner.Rung]:
+    """[NAME=]CONFIG positional specs (NAME defaults to the file's stem); with recipes, one rung a config and
+    recipe (named by the recipe, or NAME_RECIPE with several configs); then NAME:key=value overrides and
+    NAME:0,1,2 seeds of one rung."""
     rungs = {}
     for spec in specs:
         name, _, config = spec.rpartition("=") if re.match(r"^[\w.-]+=", spec) else ("", "", spec)
         name = name or os.path.splitext(os.path.basename(config))[0]
-        if name in rungs:
-            raise ValueError(f"rung {name!r} is given twice; name one NAME=CONFIG")
-        rungs[name] = runner.Rung(name, config)
+        for recipe in recipes or [None]:
+            rung = name if recipe is None else recipe if len(specs) == 1 else f"{name}_{recipe}"
+            if rung in rungs:
+                raise ValueError(f"rung {rung!r} is given twice; name one NAME=CONFIG")
+            rungs[rung] = runner.Rung(rung, config, () if recipe is None else (f"--config.recipe={recipe}",))
     for item in rung_sets:
         name, sep, kv = item.partition(":")
         if not sep or "=" not in kv or name not in rungs:
             raise ValueError(f"--rung-set {item!r}: want NAME:key=value with NAME one of {sorted(rungs)}")
-        rung = rungs[name]
-        rungs[name] = runner.Rung(name, rung.config, (*rung.overrides, "--config." + kv))
+        rungs[name] = dataclasses.replace(rungs[name], overrides=(*rungs[name].overrides, "--config." + kv))
+    for item in rung_seeds:
+        name, sep, seeds = item.partition(":")
+        if not sep or name not in rungs:
+            raise ValueError(f"--rung-seeds {item!r}: want NAME:0,1,2 with NAME one of {sorted(rungs)}")
+        rungs[name] = dataclasses.replace(rungs[name], seeds=tuple(_numbers(seeds, int, "--rung-seeds")))
     return list(rungs.values())
 
 
@@ -77,7 +87,9 @@ def _numbers(text: str | None, kind, flag: str):
 def cmd_run(args, passthrough: list[str]) -> None:
     lrs = _numbers(args.lrs, float, "--lrs")
     overrides = parse_overrides(args.set, passthrough, lrs)
-    rungs = parse_rungs(args.configs, args.rung_set)
+    rungs = parse_rungs(
+        args.configs, args.rung_set, args.rung_seeds, _numbers(args.recipes, str, "--recipes")
+    )
     specs = runner.plan(rungs, _numbers(args.seeds, int, "--seeds"), lrs)
     runner.run_grid(
         specs,
@@ -113,8 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("configs", nargs="+", help="[NAME=]CONFIG, one a rung")
     run_p.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     run_p.add_argument("--lrs", default=None, help="comma-separated peak LRs: an LR sweep")
+    run_p.add_argument("--recipes", default=None, help="comma-separated recipes: one rung each (per config)")
     run_p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     run_p.add_argument("--rung-set", action="append", default=[], metavar="NAME:KEY=VALUE")
+    run_p.add_argument(
+        "--rung-seeds", action="append", default=[], metavar="NAME:SEEDS", help="e.g. fp8:0,1,2"
+    )
     run_p.add_argument("--parallel", type=int, default=1, help="runs at once (one GPU each)")
     run_p.add_argument("--gpus", default=None, help="GPU ids to use (default: the visible ones)")
     run_p.add_argument("--gpus-per-run", type=int, default=1)

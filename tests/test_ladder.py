@@ -187,6 +187,13 @@ def test_grid_order_directories_and_commands():
         "nan/lr0.001/seed0",
         "tiny_c4_h16/lr0.003/seed0",
     ]
+    three = ladder.parse_rungs([f"a={CONFIG}", f"b={CONFIG}"], [], ["b:0,1,2"])
+    assert [s.label for s in runner.plan(three, [0], None)] == ["a/seed0", "b/seed0", "b/seed1", "b/seed2"]
+    by_recipe = ladder.parse_rungs([CONFIG], ["fp8:steps=2"], [], ["fp8", "mxfp4_full"])
+    assert [(r.name, r.overrides) for r in by_recipe] == [
+        ("fp8", ("--config.recipe=fp8", "--config.steps=2")),
+        ("mxfp4_full", ("--config.recipe=mxfp4_full",)),
+    ]
     argv = specs[1].argv("R", ["--config.steps=9"])
     assert argv[argv.index("--workdir") + 1] == os.path.join("R", "nan", "lr0.001", "seed0")
     assert argv[-4:] == [

@@ -26,11 +26,13 @@ POLL_S = 0.5
 
 @dataclasses.dataclass(frozen=True)
 class Rung:
-    """A config file under a name (the file's stem unless given), with overrides of its own."""
+    """A config file under a name (the file's stem unless given), with overrides of its own and, when set,
+    its own seeds (instead of the ladder's)."""
 
     name: str
     config: str
     overrides: tuple[str, ...] = ()
+    seeds: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,16 @@ class RunSpec:
 
 
 def plan(rungs: list[Rung], seeds: list[int], lrs: list[float] | None) -> list[RunSpec]:
-    """The grid, seed-major (every rung's first seed comes before any second seed), rungs in given order."""
-    return [RunSpec(r, s, lr) for s in seeds for lr in (lrs or [None]) for r in rungs]
+    """The grid, seed-major (every rung's first seed comes before any second seed), rungs in given order;
+    a rung with seeds of its own runs those."""
+    all_seeds = sorted({*seeds, *(s for r in rungs for s in r.seeds or ())})
+    return [
+        RunSpec(r, s, lr)
+        for s in all_seeds
+        for lr in (lrs or [None])
+        for r in rungs
+        if s in (seeds if r.seeds is None else r.seeds)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- devices
