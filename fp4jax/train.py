@@ -65,7 +65,10 @@ def parse_flags(argv) -> tuple[ml_collections.ConfigDict, str, bool]:
 def flag_message(exc: Exception, argv) -> str:
     """One line for a bad command line. ml_collections reports an unknown config key as an AttributeError or
     KeyError whose text is the quoted key, sometimes followed by a line 'Did you mean "x" instead of "y"?'."""
-    text = str(exc.args[0] if exc.args else exc)
+    inner = exc
+    while inner.args and isinstance(inner.args[0], BaseException):  # AttributeError(KeyError(text))
+        inner = inner.args[0]
+    text = inner.args[0] if inner.args and isinstance(inner.args[0], str) else str(inner)
     if isinstance(exc, flags.UnrecognizedFlagError):
         return f"unknown flag --{exc.flagname}; the flags: --config, --workdir, --debug, --config.KEY=VALUE"
     if isinstance(exc, flags.Error):

@@ -126,7 +126,7 @@ def load_data(config, tokenizer, mesh):
 def data_hint(message: str) -> str:
     """fp4jax.data's message with the command-line flag that fixes it."""
     message = message.replace("set on_bad_record='skip'", "set --config.data.on_bad_record=skip")
-    if message.startswith(("no files match", "data directory")):
+    if message.startswith(("no files match", "data directory", "data path")):
         message += "; set --config.data.path to the directory that holds the data files (docs/data.md)"
     return message
 
