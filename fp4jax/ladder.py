@@ -9,7 +9,8 @@
 
 `run` trains each rung once per seed (and peak LR) into ROOT/<rung>[/lr<lr>]/seed<k>, passing
 --config.seed=k (and --config.optimizer.peak_lr); a run that finished (summary.json with a final status:
-reached, not_reached, diverged, failed) is never rerun, an interrupted one resumes. A run that diverges
+reached, not_reached, diverged, failed) is never rerun (delete its summary.json to train it further;
+--retry-failed reruns "failed" ones), an interrupted one resumes. A run that diverges
 (exit 3), crashes or times out (--timeout-min) is recorded and the ladder goes on. --parallel N runs N at
 once, one GPU each (chosen through CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES). Logs:
 <run dir>/train.log. Exit code 0 once every run has ended, whatever its outcome; 2 bad input.
