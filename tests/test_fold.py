@@ -13,8 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fp4jax.ops import PRESETS, MXArray, mx_dot_general, quantize_fp8, quantize_mx
+from fp4jax.ops import PRESETS, MXArray, mx_dot_general, quantize_fp8
+from fp4jax.ops import quantize_mx as _quantize_mx
 from fp4jax.ops.kernels import backends, fold
+
+# Jitted: on CPU, op-by-op dispatch of the quantizer costs far more than one compile per signature.
+quantize_mx = jax.jit(_quantize_mx, static_argnames=("axis", "elem", "block_size", "scale_mode", "rounding"))
 
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 SHIFT = {"e4m3fn": 6, "e4m3fnuz": 5}
@@ -91,6 +95,11 @@ def _inputs():
 
 INPUTS = _inputs()
 
+fold_jit = jax.jit(fold.fold_mx_to_fp8, static_argnames="fp8_dtype")
+count_jit = jax.jit(fold.count_fold_flushes)
+fp8_matmul_jit = jax.jit(backends.fp8_matmul, static_argnums=2)
+matmul_jit = jax.jit(backends.matmul, static_argnames=("backend", "precision"))
+
 
 # ----------------------------------------------------------------------------------------------------
 # the fold
@@ -100,14 +109,14 @@ INPUTS = _inputs()
 @pytest.mark.parametrize("name", list(INPUTS))
 def test_fold_matches_reference_and_dequantize(name, fp8):
     x = INPUTS[name]
-    out = fold.fold_mx_to_fp8(x, fp8_dtype=FP8[fp8])
+    out = fold_jit(x, fp8_dtype=FP8[fp8])
     assert out.data.dtype == FP8[fp8] and out.row_exponent.dtype == jnp.int32
     q, e = _as_numpy(x)
     want, want_exp, want_flushed, flushed_mask = reference_fold(q, e, x.block_size, SHIFT[fp8])
     got = np.asarray(out.data.astype(jnp.float32), np.float64).reshape(q.shape)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.asarray(out.row_exponent).reshape(-1), want_exp)
-    assert int(out.flushed_blocks) == want_flushed == int(fold.count_fold_flushes(x))
+    assert int(out.flushed_blocks) == want_flushed == int(count_jit(x))
     # The folded values, bit for bit, are E4M3 numbers (the cast did not round) ...
     np.testing.assert_array_equal(want.astype(NP_FP8[fp8]).astype(np.float64), want)
     # ... and folded * 2^row_exponent is the dequantized operand outside flushed blocks, zero inside.
@@ -121,9 +130,9 @@ def test_fold_matches_reference_and_dequantize(name, fp8):
 
 def test_inputs_exercise_the_window():
     """The wide inputs really contain flushed blocks and blocks on the edge of the window."""
-    assert int(fold.count_fold_flushes(INPUTS["extreme_exponents"])) > 100
-    assert int(fold.count_fold_flushes(INPUTS["near_window"])) > 0
-    assert int(fold.count_fold_flushes(INPUTS["random"])) == 0
+    assert int(count_jit(INPUTS["extreme_exponents"])) > 100
+    assert int(count_jit(INPUTS["near_window"])) > 0
+    assert int(count_jit(INPUTS["random"])) == 0
 
 
 def test_out_of_window_rule():
@@ -209,8 +218,8 @@ def _mx(key, shape, spread=0):
 def test_fp8_product_matches_emulate(fp8):
     ka, kc = jax.random.split(jax.random.key(1))
     a, c = _mx(ka, (2, 48, 512), spread=60), _mx(kc, (2, 40, 512), spread=60)
-    got = np.asarray(backends.fp8_matmul(a, c, FP8[fp8]), np.float64)
-    emulated = np.asarray(backends.matmul(a, c, backend="emulate"), np.float64)
+    got = np.asarray(fp8_matmul_jit(a, c, FP8[fp8]), np.float64)
+    emulated = np.asarray(matmul_jit(a, c, backend="emulate"), np.float64)
     bound = _summation_bound(np.asarray(a.dequantize(), np.float64), np.asarray(c.dequantize(), np.float64))
     assert np.all(np.abs(got - emulated) <= bound)
     assert np.all(bound < 1e-4 * np.abs(emulated).max(axis=(1, 2), keepdims=True) + np.abs(emulated))
@@ -224,8 +233,8 @@ def test_fp8_product_mx_times_per_tensor_fp8():
         assert backends.fp8_supports(a, c) and backends.fp8_supports(c, a)
         assert not backends.fp8_supports(a, c, jnp.float8_e4m3fnuz)  # FNUZ does not mix with OCP FP8
         for lhs, rhs in ((a, c), (c, a)):
-            got = np.asarray(backends.fp8_matmul(lhs, rhs), np.float64)
-            emulated = np.asarray(backends.matmul(lhs, rhs, backend="emulate"), np.float64)
+            got = np.asarray(fp8_matmul_jit(lhs, rhs, jnp.float8_e4m3fn), np.float64)
+            emulated = np.asarray(matmul_jit(lhs, rhs, backend="emulate"), np.float64)
             bound = _summation_bound(
                 np.asarray(lhs.dequantize(), np.float64), np.asarray(rhs.dequantize(), np.float64)
             )
@@ -238,8 +247,8 @@ def test_fp8_backend_falls_back_for_unfoldable_operands():
     a = quantize_mx(jax.random.normal(ka, (1, 16, 64)), elem="e4m3", scale_mode="ceil")
     c = quantize_mx(jax.random.normal(kc, (1, 16, 64)), elem="e4m3", scale_mode="ceil")
     assert not backends.fp8_supports(a, c)
-    got = backends.matmul(a, c, backend="fp8")
-    np.testing.assert_array_equal(got, backends.matmul(a, c, backend="emulate"))
+    got = matmul_jit(a, c, backend="fp8")
+    np.testing.assert_array_equal(got, matmul_jit(a, c, backend="emulate"))
 
 
 def test_fp8_gemm_is_one_fp8_dot():
@@ -270,9 +279,12 @@ def test_mx_dot_general_fp8_backend_matches_emulate(preset):
     for backend in ("emulate", "fp8"):
         recipe = dataclasses.replace(PRESETS[preset], backend=backend)
         key = kq if recipe.needs_key else None
-        fn = lambda a, b, recipe=recipe, key=key: mx_dot_general(a, b, dims, recipe=recipe, key=key)
-        y, vjp = jax.vjp(fn, x, w)
-        results[backend] = (y, *vjp(dy))
+
+        def fwd_bwd(a, b, g, recipe=recipe, key=key):
+            y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, dims, recipe=recipe, key=key), a, b)
+            return (y, *vjp(g))
+
+        results[backend] = jax.jit(fwd_bwd)(x, w, dy)
     for name, got, want in zip(("y", "dx", "dw"), results["fp8"], results["emulate"], strict=True):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         # Same quantized operands, same products; only the float32 summation order may differ.
