@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, 2)
     except KeyboardInterrupt:
         return _fail(
-            "interrupted again: stopped at once, unsaved; rerun to continue from the newest checkpoint", 130
+            "interrupted: stopped at once, unsaved; rerun to continue from the newest checkpoint", 130
         )
     if summary["status"] == "diverged":
         return _fail(summary["divergence_message"], 3)

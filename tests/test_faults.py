@@ -138,6 +138,15 @@ def test_full_disk_names_the_checkpoint_and_keeps_the_previous_one(
     assert integrity.verify(str(ckpts / "6")) is None
 
 
+def test_disk_full_is_told_from_other_errors():
+    chained = RuntimeError("save failed")
+    chained.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert checkpoint._is_disk_full(chained)
+    assert checkpoint._is_disk_full(ValueError('RESOURCE_EXHAUSTED: Error writing "d/abc" in OCDBT database'))
+    assert not checkpoint._is_disk_full(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GB"))
+    assert not checkpoint._is_disk_full(OSError(errno.EACCES, "Permission denied"))
+
+
 # ------------------------------------------------------------------------------ divergence and signals
 
 

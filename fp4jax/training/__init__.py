@@ -1,1 +1,3 @@
-"""Trainer pieces behind `python -m fp4jax.train`: optimizer, train state and step, checkpoints, metrics."""
+"""The trainer behind `python -m fp4jax.train`: `trainer.train(config, workdir) -> summary` and its pieces
+(setup, evaluation, checkpoint + integrity, preemption, divergence, summary, metrics, hooks, optimizer,
+state); docs/training.md describes them."""

@@ -112,7 +112,8 @@ def _is_disk_full(exc: BaseException) -> bool:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "RESOURCE_EXHAUSTED" in str(exc) or "No space left on device" in str(exc):
+        text = str(exc)  # tensorstore: "RESOURCE_EXHAUSTED: Error writing ..."; not XLA's out-of-memory
+        if "No space left on device" in text or ("RESOURCE_EXHAUSTED" in text and "Error writing" in text):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -36,9 +36,9 @@ def run_probe(probe, state, batch, quant_key, step: int) -> dict:
 
 
 class Profiler:
-    """A jax.profiler trace of updates [start_step, start_step + num_steps) into <workdir>/profile
-    (TensorBoard's profile plugin or Perfetto read it); off when profile.num_steps is 0. A resumed run
-    past start_step traces its first num_steps updates instead."""
+    """A jax.profiler trace of updates [start_step, start_step + num_steps) into <workdir>/profile: an
+    .xplane.pb for TensorBoard's profile plugin, a perfetto_trace.json.gz for ui.perfetto.dev. Off when
+    profile.num_steps is 0; a resumed run past start_step traces its first num_steps updates."""
 
     def __init__(self, config, workdir: str):
         self.start, self.count = config.profile.start_step, config.profile.num_steps
@@ -47,7 +47,7 @@ class Profiler:
 
     def before(self, step: int):
         if not self.done and not self.active and step >= self.start:
-            jax.profiler.start_trace(self.directory)
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.active, self.last = True, max(step, self.start) + self.count - 1
 
     def after(self, step: int):

@@ -78,10 +78,13 @@ def peak_memory_gb() -> float | None:
 class MetricsWriter:
     """Appends metric lines to <workdir>/metrics.jsonl and TensorBoard; only process 0 writes."""
 
-    def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int = 0):
+    def __init__(
+        self, workdir: str, *, tensorboard: bool = True, resume_step: int = 0, progress_total: int = 0
+    ):
+        """progress_total > 0: also a tqdm bar (stderr) from resume_step to progress_total updates."""
         self.enabled = jax.process_index() == 0
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self.tb = None
+        self.tb = self.bar = None
         if not self.enabled:
             return
         truncate_metrics(self.path, resume_step)
@@ -90,12 +93,21 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        if progress_total > 0:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=progress_total, initial=resume_step, desc="train", unit="step", dynamic_ncols=True
+            )
 
     def write(self, record: dict):
         if not self.enabled:
             return
         self.file.write(json.dumps(record, sort_keys=True) + "\n")
         self.file.flush()
+        if self.bar is not None and "eval_loss" not in record:
+            self.bar.update(record["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
         if self.tb is not None:
             prefix = "eval/" if "eval_loss" in record else "train/"
             for key, value in record.items():
@@ -109,6 +121,8 @@ class MetricsWriter:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def truncate_metrics(path: str, last_step: int):

@@ -17,7 +17,7 @@ import ml_collections
 from fp4jax.data import DataError, make_train_iterator
 from fp4jax.models.llama import flops_per_token
 from fp4jax.models.sharding import sharding_context
-from fp4jax.training import checkpoint, evaluation, hooks, metrics, setup
+from fp4jax.training import checkpoint, evaluation, hooks, integrity, metrics, setup
 from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard, describe
 from fp4jax.training.preemption import StopSignals
@@ -134,7 +134,7 @@ def data_hint(message: str) -> str:
 def restore(config, manager, abstract_state, train_iter):
     """The workdir's newest good checkpoint, else init_checkpoint's, else None (start from scratch)."""
     if jax.process_index() == 0:
-        checkpoint.integrity.remove_orbax_tmp_dirs(str(manager.directory))  # saves cut off mid-way
+        integrity.remove_orbax_tmp_dirs(str(manager.directory))  # saves cut off mid-way
     restored = checkpoint.restore_newest_good(manager, abstract_state, train_iter)
     if restored is None and config.init_checkpoint:
         other, max_step = checkpoint.open_init_checkpoint(config.init_checkpoint)
@@ -147,7 +147,12 @@ def restore(config, manager, abstract_state, train_iter):
 def run_loop(run: Run) -> dict:
     """Runs the updates, waits for the last save, writes and returns the summary."""
     config, t_run = run.config, time.perf_counter()
-    writer = metrics.MetricsWriter(run.workdir, tensorboard=config.tensorboard, resume_step=run.start_step)
+    writer = metrics.MetricsWriter(
+        run.workdir,
+        tensorboard=config.tensorboard,
+        resume_step=run.start_step,
+        progress_total=run.last_step if config.progress_bar else 0,
+    )
     guard = DivergenceGuard(config.divergence.spike_nats, config.divergence.window, run.meta.get("guard"))
     try:
         with StopSignals() as signals, hooks.Profiler(config, run.workdir) as profiler:
@@ -162,7 +167,7 @@ def run_loop(run: Run) -> dict:
     status = stop or ("diverged" if divergence else "reached" if run.meta["target_step"] else "not_reached")
     extra = {}
     if divergence is not None:
-        newest = max(checkpoint.integrity.step_dirs(str(run.manager.directory)), default=None)
+        newest = max(integrity.step_dirs(str(run.manager.directory)), default=None)
         extra["divergence_message"] = describe(divergence, guard.last_finite(), run.resumed_from, newest)
     summary = summaries.run_summary(
         config,
@@ -179,7 +184,7 @@ def run_loop(run: Run) -> dict:
     )
     summaries.write_summary(run.workdir, summary)
     if status == "preempted":
-        saved = checkpoint.integrity.step_dirs(str(run.manager.directory)).get(step)
+        saved = integrity.step_dirs(str(run.manager.directory)).get(step)
         summaries.say(
             f"stopped by {signals.requested or 'a stop signal on another process'} after update {step}; "
             f"saved checkpoint {saved}; run the same command to continue"
