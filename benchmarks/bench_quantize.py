@@ -1,7 +1,7 @@
 """Fused rotate+quantize(+fold) against the reference XLA path: effective TB/s and bit-equality, on GPU.
 
     PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
-        [--mx-tile 32x256] [--fold-rows 16] [--fold-chunk 256] [--warps 4] [--out FILE.md]
+        [--tiles mx-row=32x256x4,...] [--out FILE.md]
 
 For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: contract B's E4M3 +
@@ -150,7 +150,7 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters):
             differ = f"{_differ_fraction(result, literal):.2e}"
             tbs = _io_bytes(m, k, out) / seconds / 1e12
         except Exception as e:  # a kernel that fails to compile is a row of the table, not a crash
-            traceback.print_exc()
+            print("".join(traceback.format_exception_only(e))[-3000:], flush=True)
             seconds, tbs, same, differ = float("nan"), float("nan"), f"FAILED {type(e).__name__}", ""
         rows.append((f"{m}x{k}", rot_name, layout, out, impl, seconds * 1e6, tbs, same, differ))
         print(
@@ -187,20 +187,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x8192,16384x4096", help="MxK,... (bf16 operands)")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--mx-tile", default="x".join(map(str, kernels.MX_TILE)), help="rows x cols")
-    parser.add_argument("--fold-rows", type=int, default=kernels.FOLD_ROWS)
-    parser.add_argument("--fold-chunk", type=int, default=kernels.FOLD_CHUNK)
-    parser.add_argument("--warps", type=int, default=kernels.NUM_WARPS)
+    parser.add_argument(
+        "--tiles",
+        default="",
+        help="Pallas tile overrides, e.g. mx-row=32x256x4,mx-col=16x256x8,fp8_fold-row=8x512x4 "
+        "(rows x cols x warps; see fused_quantize_pallas.TILES)",
+    )
     parser.add_argument("--out", default="", help="write the markdown table here")
     args = parser.parse_args()
-    kernels.MX_TILE = _pair(args.mx_tile)
-    kernels.FOLD_ROWS, kernels.FOLD_CHUNK, kernels.NUM_WARPS = args.fold_rows, args.fold_chunk, args.warps
+    for item in filter(None, args.tiles.split(",")):
+        name, dims = item.split("=")
+        out, layout = name.rsplit("-", 1)
+        rows, cols, warps = (int(v) for v in dims.split("x"))
+        kernels.TILES[out, layout == "col"] = kernels.Tile(rows, cols, warps)
     shapes = [_pair(s) for s in args.shapes.split(",")]
     rows = run(shapes, args.iters)
-    command = (
-        f"python benchmarks/bench_quantize.py --shapes {args.shapes} --mx-tile {args.mx_tile} "
-        f"--fold-rows {args.fold_rows} --fold-chunk {args.fold_chunk} --warps {args.warps}"
+    tiles = ",".join(
+        f"{out}-{'col' if column else 'row'}={t.rows}x{t.cols}x{t.warps}"
+        for (out, column), t in kernels.TILES.items()
     )
+    command = f"python benchmarks/bench_quantize.py --shapes {args.shapes} --iters {args.iters}"
+    command += f" --tiles {tiles}"
     table = to_markdown(rows, command)
     if args.out:
         with open(args.out, "w") as f:

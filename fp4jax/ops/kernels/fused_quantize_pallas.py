@@ -12,6 +12,7 @@ so it computes exactly what the XLA path computes; only the tiling differs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,11 +24,27 @@ from fp4jax.ops.formats import get_elem_format
 from fp4jax.ops.kernels import fold
 from fp4jax.ops.kernels import fused_quantize as fq
 
-# Tile sizes (power-of-two elements): rows x columns of the output orientation.
-MX_TILE = (32, 256)
-FOLD_ROWS = 16
-FOLD_CHUNK = 256
-NUM_WARPS = 4
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """Output-orientation rows per program, columns per tile (mx) or per loop step (fold), warps.
+
+    Powers of two. Chosen from the compiled kernels (no register spills, few shared-memory layout
+    changes at sm_90); benchmarks/bench_quantize.py --tiles overrides them for tuning.
+    """
+
+    rows: int
+    cols: int
+    warps: int
+
+
+# (out, column layout) -> Tile
+TILES = {
+    ("mx", False): Tile(32, 256, 4),
+    ("mx", True): Tile(16, 256, 8),
+    ("fp8_fold", False): Tile(8, 512, 4),
+    ("fp8_fold", True): Tile(16, 256, 8),
+}
 
 
 def _pick(length: int, want: int, minimum: int) -> int:
@@ -43,8 +60,9 @@ def _pick(length: int, want: int, minimum: int) -> int:
 
 
 def _load_tile(x_ref, column: bool, rows=slice(None), cols=slice(None)):
-    t = x_ref[rows, cols].astype(jnp.float32)
-    return t.T if column else t
+    t = x_ref[rows, cols]
+    # Transpose in the input dtype (bf16: half the bytes through shared memory), then widen.
+    return (t.T if column else t).astype(jnp.float32)
 
 
 def _rotate(t, rotation, s_ref):
@@ -53,8 +71,8 @@ def _rotate(t, rotation, s_ref):
     return fq.hadamard_rotate(t, rotation.size, None if s_ref is None else s_ref[...], spelling="reductions")
 
 
-def _params():
-    return plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+def _params(tile: Tile):
+    return plgpu.CompilerParams(num_warps=tile.warps, num_stages=2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -77,8 +95,9 @@ def _mx_call(x3, column, spec, rotation, sign_row, interpret):
     batch, r0, c0 = x3.shape
     out_rows, n = (c0, r0) if column else (r0, c0)
     multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
-    tr = _pick(out_rows, MX_TILE[0], 1)  # output-orientation rows per tile
-    tn = _pick(n, MX_TILE[1], multiple)  # output-orientation columns (the quantized axis)
+    tile = TILES["mx", column]
+    tr = _pick(out_rows, tile.rows, 1)  # output-orientation rows per tile
+    tn = _pick(n, tile.cols, multiple)  # output-orientation columns (the quantized axis)
     per_byte = 2 if spec.elem == "e2m1" else 1
     nb = n // spec.block_size
     grid = (batch, out_rows // tr, n // tn)
@@ -105,7 +124,7 @@ def _mx_call(x3, column, spec, rotation, sign_row, interpret):
             jax.ShapeDtypeStruct((batch, out_rows, n // per_byte), jnp.uint8),
             jax.ShapeDtypeStruct((batch, out_rows, nb), jnp.uint8),
         ],
-        compiler_params=_params(),
+        compiler_params=_params(tile),
         interpret=interpret,
         name="fused_rotate_quantize_mx",
     )(*args)
@@ -170,8 +189,9 @@ def _fold_call(x3, column, spec, rotation, sign_row, interpret):
     batch, r0, c0 = x3.shape
     out_rows, n = (c0, r0) if column else (r0, c0)
     multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
-    tr = _pick(out_rows, FOLD_ROWS, 1)
-    chunk = _pick(n, FOLD_CHUNK, multiple)
+    tile = TILES["fp8_fold", column]
+    tr = _pick(out_rows, tile.rows, 1)
+    chunk = _pick(n, tile.cols, multiple)
     if column:
         x_spec = pl.BlockSpec((None, n, tr), lambda b, i: (b, 0, i))
     else:
@@ -203,7 +223,7 @@ def _fold_call(x3, column, spec, rotation, sign_row, interpret):
             jax.ShapeDtypeStruct((batch, out_rows), jnp.int32),
             jax.ShapeDtypeStruct((batch, out_rows), jnp.int32),
         ],
-        compiler_params=_params(),
+        compiler_params=_params(tile),
         interpret=interpret,
         name="fused_rotate_quantize_fold",
     )(*args)
