@@ -216,19 +216,22 @@ def test_batch_dimensions_and_fold_flushes():
 
 
 @pytest.mark.parametrize(
-    "axis, rotation, scale_mode, rounding",
+    "axis, rotation, scale_mode, rounding, elem, out",
     [
-        (-1, NO_ROTATION, "floor", "nearest_even"),
-        (-2, H16, "even", "nearest_away"),
-        (-1, RANDOM32, "ceil", "nearest_even"),
+        (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "mx"),
+        (-2, H16, "even", "nearest_away", "e2m1", "mx"),
+        (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "mx"),
+        (-2, H32, "even", "nearest_even", "e4m3", "mx"),
+        (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "fp8_fold"),
+        (-2, H16, "even", "nearest_away", "e2m1", "fp8_fold"),
+        (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "fp8_fold"),
     ],
-    ids=["row-none-floor", "col-h16-even", "row-random32-ceil"],
+    ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
-@pytest.mark.parametrize("out", ["mx", "fp8_fold"])
-def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, out):
+def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out):
     x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=7))
     signs = random_signs(jax.random.key(2), rotation.size) if rotation.kind == "random" else None
-    spec = QuantSpec(kind="mx", scale_mode=scale_mode, rounding=rounding)
+    spec = QuantSpec(kind="mx", elem=elem, scale_mode=scale_mode, rounding=rounding)
     _check(x, axis=axis, spec=spec, rotation=rotation, out=out, impl="pallas", signs=signs)
 
 

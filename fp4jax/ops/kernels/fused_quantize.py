@@ -318,8 +318,10 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, key, out, bits_shape):
 
 
 def default_impl() -> str:
-    """'pallas' on NVIDIA GPUs (the Triton kernels), 'xla' elsewhere."""
-    return "pallas" if jax.devices()[0].platform in ("gpu", "cuda") else "xla"
+    """'pallas' on NVIDIA GPUs (the Triton kernels, checked there by the benchmark), 'xla' elsewhere."""
+    device = jax.devices()[0]
+    nvidia = device.platform in ("gpu", "cuda") and "NVIDIA" in getattr(device, "device_kind", "")
+    return "pallas" if nvidia else "xla"
 
 
 def rotate_quantize(
