@@ -1,7 +1,7 @@
 """Fused rotate+quantize(+fold) against the reference XLA path: effective TB/s and bit-equality, on GPU.
 
     PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
-        [--tiles mx-row=32x256x4,...] [--out FILE.md]
+        [--tiles mx-row=32x256x4,...] [--sweep] [--out FILE.md]
 
 For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: contract B's E4M3 +
@@ -161,6 +161,43 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters):
     return rows
 
 
+# Candidate Pallas tiles for --sweep (the first is the default in fused_quantize_pallas.TILES).
+SWEEP = {
+    ("mx", False): [(32, 256, 4), (64, 256, 8), (16, 512, 4)],
+    ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4)],
+    ("fp8_fold", False): [(8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4)],
+    ("fp8_fold", True): [(16, 256, 8), (32, 128, 8), (16, 512, 8)],
+}
+
+
+def sweep(m: int, k: int, iters: int) -> list[tuple]:
+    """Times each candidate tile of each Pallas kernel (H16, one shape); restores the defaults."""
+    rows = []
+    inputs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in jax.random.split(jax.random.key(1), 3)]
+    rotation = ROTATIONS["H16"]
+    for (out, column), candidates in SWEEP.items():
+        axis, layout = (-2, "col") if column else (-1, "row")
+        default = kernels.TILES[out, column]
+        want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
+        for dims in candidates:
+            kernels.TILES[out, column] = kernels.Tile(*dims)
+            fq._rotate_quantize.clear_cache()  # the tiles are read when the kernel is traced
+            fn = _fused_fn(axis, rotation, out, "pallas")
+            name = "pallas " + "x".join(map(str, dims))
+            try:
+                seconds = _time(fn, inputs, iters)
+                same = "yes" if _same(fn(inputs[0]), want) else "NO"
+                tbs = _io_bytes(m, k, out) / seconds / 1e12
+            except Exception as e:
+                print("".join(traceback.format_exception_only(e))[-2000:], flush=True)
+                seconds, tbs, same = float("nan"), float("nan"), f"FAILED {type(e).__name__}"
+            rows.append((f"{m}x{k}", "H16", layout, out, name, seconds * 1e6, tbs, same, ""))
+            print(f"sweep {m}x{k} {layout} {out:8s} {name:18s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s")
+        kernels.TILES[out, column] = default
+        fq._rotate_quantize.clear_cache()
+    return rows
+
+
 def to_markdown(rows, command: str) -> str:
     device = jax.devices()[0]
     lines = [
@@ -194,6 +231,7 @@ def main():
         "(rows x cols x warps; see fused_quantize_pallas.TILES)",
     )
     parser.add_argument("--out", default="", help="write the markdown table here")
+    parser.add_argument("--sweep", action="store_true", help="only time candidate Pallas tiles (first shape)")
     args = parser.parse_args()
     for item in filter(None, args.tiles.split(",")):
         name, dims = item.split("=")
@@ -201,12 +239,13 @@ def main():
         rows, cols, warps = (int(v) for v in dims.split("x"))
         kernels.TILES[out, layout == "col"] = kernels.Tile(rows, cols, warps)
     shapes = [_pair(s) for s in args.shapes.split(",")]
-    rows = run(shapes, args.iters)
+    rows = sweep(*shapes[0], args.iters) if args.sweep else run(shapes, args.iters)
     tiles = ",".join(
         f"{out}-{'col' if column else 'row'}={t.rows}x{t.cols}x{t.warps}"
         for (out, column), t in kernels.TILES.items()
     )
     command = f"python benchmarks/bench_quantize.py --shapes {args.shapes} --iters {args.iters}"
+    command += " --sweep" if args.sweep else ""
     command += f" --tiles {tiles}"
     table = to_markdown(rows, command)
     if args.out:
