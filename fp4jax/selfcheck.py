@@ -175,7 +175,6 @@ def tiny_config(recipe: str, steps: int):
     c.eval_every_sequences = 10**9
     c.eval_at_end = False
     c.checkpoint_every_steps = 10**9
-    c.async_checkpointing = False
     c.progress_bar = False
     c.tensorboard = False
     return c

@@ -1,0 +1,37 @@
+"""python -m fp4jax.selfcheck on CPU (small GEMMs, a few tiny-model steps), and its HLO reader."""
+
+import pytest
+
+from fp4jax import selfcheck
+
+CUBLAS_F8 = (
+    "  %cublas-lt-matmul.2.0 = (f32[1,8192,14336]{2,1,0}, s8[33554432]{0}) custom-call("
+    "f8e4m3fn[1,8192,4096]{2,1,0} %fusion.12, f8e4m3fn[1,14336,4096]{2,1,0} %fusion.13, f32[] %c), "
+    'custom_call_target="__cublas$lt$matmul$f8", backend_config={}'
+)
+TRITON_F8 = "  %dot.1 = f32[8192,14336]{1,0} dot(f8e5m2[8192,4096]{1,0} %p0, f8e4m3fn[14336,4096]{1,0} %p1)"
+CUBLAS_BF16 = (
+    "  %custom-call.3 = (f32[8192,4096]{1,0}, s8[4194304]{0}) custom-call(bf16[8192,14336]{1,0} %a, "
+    'bf16[14336,4096]{1,0} %b), custom_call_target="__cublas$gemm"'
+)
+NOT_A_GEMM = '  %cc = f32[8]{0} custom-call(f8e4m3fn[8]{0} %x), custom_call_target="SomethingElse"'
+
+
+def test_gemm_operand_types_reads_library_and_fused_gemms():
+    text = "\n".join([CUBLAS_F8, TRITON_F8, CUBLAS_BF16, NOT_A_GEMM, "  %add = f32[8]{0} add(f32[8] %a, %b)"])
+    assert selfcheck.gemm_operand_types(text) == ["f8e4m3fn", "f8e5m2", "bf16"]
+
+
+def test_selfcheck_passes_on_cpu(capsys):
+    code = selfcheck.main(["--small", "--train-steps", "6"])
+    out = capsys.readouterr().out
+    assert "auto picks: emulate" in out
+    assert "fp8" in out and "AGREE" in out and "DISAGREE" not in out
+    assert "loss falling" in out
+    assert out.rstrip().endswith("self-check PASSED") and code == 0
+
+
+def test_selfcheck_rejects_bad_arguments():
+    with pytest.raises(SystemExit) as exc:
+        selfcheck.main(["--backends", "fp4"])
+    assert exc.value.code == 2
