@@ -209,6 +209,8 @@ def test_batch_dimensions_and_fold_flushes():
     assert row.data.shape == x.shape and int(row.flushed_blocks) == 1
     column = _check(jnp.asarray(x), axis=-2, spec=spec, out="fp8_fold")
     assert column.data.shape == (2, 64, 32)
+    column_pallas = _check(jnp.asarray(x), axis=-2, spec=spec, rotation=H16, impl="pallas")
+    assert column_pallas.data.shape == (2, 64, 32)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -40,7 +40,13 @@ from jax import lax
 from fp4jax.ops import formats
 from fp4jax.ops.formats import ElemFormat, get_elem_format
 from fp4jax.ops.kernels import fold
-from fp4jax.ops.quantize import MXArray, pow2, round_to_grid, scale_exponent
+from fp4jax.ops.quantize import (
+    MXArray,
+    _mul_pow2,  # the reference's exact scaling: SR shares it on purpose
+    pow2,
+    round_to_grid,
+    scale_exponent,
+)
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
 from fp4jax.ops.rotation import hadamard
 
@@ -198,8 +204,6 @@ def _quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, key=None, bit
 
 def _stochastic_codes(bits, exponent, fmt, key, bits_shape):
     """quantize.py's own float formulation, with its random bits drawn over the reference's shape."""
-    from fp4jax.ops.quantize import _mul_pow2  # the reference's exact scaling, shared on purpose
-
     finite_v = jnp.where(jnp.max(bits & _ABS_MASK, axis=-1, keepdims=True) < _INF_BITS, bits, 0)
     scaled = _mul_pow2(lax.bitcast_convert_type(finite_v, jnp.float32), -exponent[:, None])
     abs_scaled = jnp.abs(scaled).reshape(bits_shape)
