@@ -1,14 +1,30 @@
-"""Test setup: 8 fake CPU devices, so sharding is exercised on every machine.
+"""Test set-up for the two lanes (docs/testing.md).
 
-The flag must be set before jax initialises its backends, hence at import time of conftest.
+CPU lane (the default, what CI runs): 8 fake CPU devices, so sharding is exercised on every machine.
+GPU lane (`JAX_PLATFORMS=cuda` or `rocm`): the real devices as they are; XLA's GPU ops are made
+deterministic (scatter-adds otherwise use atomics, so the same run twice could differ in its last bits)
+and memory is allocated on demand, so that subprocesses a test starts can have some too.
+
+Everything here must be set before jax initialises its backends, hence at import time of conftest.
 """
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+_ON_CPU = os.environ["JAX_PLATFORMS"].split(",")[0].strip() == "cpu"
+
+
+def _add_xla_flag(name: str, value: str) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if name not in flags:  # a value the user set wins
+        os.environ["XLA_FLAGS"] = f"{flags} --{name}={value}".strip()
+
+
+if _ON_CPU:
+    _add_xla_flag("xla_force_host_platform_device_count", "8")
+else:
+    _add_xla_flag("xla_gpu_deterministic_ops", "true")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 
@@ -16,4 +32,5 @@ jax.config.update("jax_threefry_partitionable", True)
 
 
 def pytest_report_header(config):
-    return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
+    d = jax.devices()
+    return f"jax {jax.__version__}, devices: {len(d)} x {d[0].platform} ({d[0].device_kind})"

@@ -1,4 +1,4 @@
-"""Readers: json.gz files, file resolution, bad input, and TFDS == json.gz on the shared C4 sample."""
+"""Readers: json.gz files, file resolution, bad input, and TFDS == json.gz on the bundled C4 sample."""
 
 import gzip
 import json
@@ -18,8 +18,6 @@ from fp4jax.data.sources import (
     tfds_source,
     train_files,
 )
-
-SHARED_SAMPLE = Path(__file__).parents[1].parent / "shared" / "data" / "c4_en_sample"
 
 
 def _write_jsonl_gz(path, lines):
@@ -138,20 +136,16 @@ def test_bad_record_policy_is_checked():
 
 
 # --------------------------------------------------------------------------------------------------------
-# TFDS: the shared MaxText-prepared c4/en:3.0.1 sample holds the same documents as the json.gz files.
-# Its train split is c4-train.00000-of-00002.json.gz written round-robin into 8 shards (document k in
-# shard k % 8 at position k // 8); its validation split is the first 200 documents of c4-validation,
-# round-robin into 2 shards. The reader goes shard after shard, so it yields that interleaving.
+# TFDS: the bundled sample, converted at test time into a prepared c4/en:3.0.1 dataset, reads back as the
+# same documents as the json.gz files. The layout is the one MaxText's TFDS test copy of C4 has: the train
+# split is c4-train.00000-of-00002.json.gz written round-robin into 8 shards (document k in shard k % 8 at
+# position k // 8), the validation split the first 200 documents of c4-validation round-robin into 2
+# shards. The reader goes shard after shard, so it yields that interleaving.
 
-
-def _shared_or_skip():
-    if not (SHARED_SAMPLE / "tfds").is_dir():
-        pytest.skip(f"shared C4 sample not found at {SHARED_SAMPLE}")
-    return SHARED_SAMPLE
-
-
-def _json_texts(path):
-    return _read(path)
+TFDS_SPLITS = {  # split: (bundled file, documents, shards)
+    "train": ("c4-train.00000-of-00002.json.gz", None, 8),
+    "validation": ("c4-validation.00000-of-00001.json.gz", 200, 2),
+}
 
 
 def _round_robin(docs, num_shards):
@@ -160,43 +154,60 @@ def _round_robin(docs, num_shards):
 
 
 @pytest.fixture(scope="module")
-def shared_json():
-    shared = _shared_or_skip()
-    return {
-        "train": _json_texts(shared / "en" / "c4-train.00000-of-00002.json.gz"),
-        "validation": _json_texts(shared / "en" / "c4-validation.00000-of-00001.json.gz")[:200],
-    }
+def bundled_json():
+    return {split: _read(BUNDLED_DATA_DIR / f)[:n] for split, (f, n, _) in TFDS_SPLITS.items()}
 
 
-def test_tfds_tfrecord_matches_json(shared_json):
-    pytest.importorskip("tensorflow")
-    data_dir = str(_shared_or_skip() / "tfds")
-    for split, num_shards in (("train", 8), ("validation", 2)):
-        source = tfds_source("c4/en:3.0.1", data_dir, split)
-        texts = list(source.documents())
-        assert sorted(texts) == sorted(shared_json[split])
-        assert texts == _round_robin(shared_json[split], num_shards)
+def _write_tfds_c4(data_dir: Path, docs: dict, file_format: str) -> Path:
+    """`docs` ({split: texts}) as a prepared TFDS c4/en:3.0.1 dataset under data_dir, in TFDS's own
+    formats: tf.train.Example records of a {"text": Text} feature dict, dataset_info.json from TFDS's
+    DatasetInfo proto, features.json from the feature dict. Returns the dataset directory."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from google.protobuf import json_format
+    from tensorflow_datasets.core.proto import dataset_info_pb2
+
+    if file_format == "tfrecord":
+        open_writer = pytest.importorskip("tensorflow").io.TFRecordWriter
+    else:
+        open_writer = pytest.importorskip("array_record.python.array_record_module").ArrayRecordWriter
+    features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
+    dataset_dir = data_dir / "c4" / "en" / "3.0.1"
+    dataset_dir.mkdir(parents=True)
+    template = "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}"
+    splits = []
+    for split, texts in docs.items():
+        num_shards = TFDS_SPLITS[split][2]
+        for shard in range(num_shards):
+            name = f"c4-{split}.{file_format}-{shard:05d}-of-{num_shards:05d}"
+            writer = open_writer(str(dataset_dir / name))
+            for text in texts[shard::num_shards]:
+                writer.write(features.serialize_example({"text": text}))
+            writer.close()
+        lengths = [len(texts[s::num_shards]) for s in range(num_shards)]
+        split_info = dataset_info_pb2.SplitInfo(name=split, shard_lengths=lengths, filepath_template=template)
+        splits.append(split_info)
+    info = dataset_info_pb2.DatasetInfo(
+        name="c4", config_name="en", version="3.0.1", file_format=file_format, splits=splits
+    )
+    (dataset_dir / "dataset_info.json").write_text(json_format.MessageToJson(info, sort_keys=True))
+    features.save_config(str(dataset_dir))
+    return dataset_dir
 
 
-def test_tfds_array_record_matches_json(shared_json, tmp_path):
-    """The TensorFlow-free path: the same data converted to ArrayRecord, read through as_data_source."""
-    tf = pytest.importorskip("tensorflow")  # only to convert the TFRecord shards for this test
-    writer_module = pytest.importorskip("array_record.python.array_record_module")
-    src = _shared_or_skip() / "tfds" / "c4" / "en" / "3.0.1"
-    dst = tmp_path / "c4" / "en" / "3.0.1"
-    dst.mkdir(parents=True)
-    for shard in sorted(src.glob("*.tfrecord-*")):
-        writer = writer_module.ArrayRecordWriter(
-            str(dst / shard.name.replace(".tfrecord-", ".array_record-"))
-        )
-        for record in tf.data.TFRecordDataset(str(shard)):
-            writer.write(record.numpy())
-        writer.close()
-    info = json.loads((src / "dataset_info.json").read_text())
-    (dst / "dataset_info.json").write_text(json.dumps({**info, "fileFormat": "array_record"}))
-    shutil.copy(src / "features.json", dst / "features.json")
+def test_tfds_tfrecord_matches_json(bundled_json, tmp_path):
+    pytest.importorskip("tensorflow")  # reading TFRecord data needs TensorFlow
+    _write_tfds_c4(tmp_path, bundled_json, "tfrecord")
+    for split, (_, _, num_shards) in TFDS_SPLITS.items():
+        texts = list(tfds_source("c4/en:3.0.1", str(tmp_path), split).documents())
+        assert sorted(texts) == sorted(bundled_json[split])
+        assert texts == _round_robin(bundled_json[split], num_shards)
+
+
+def test_tfds_array_record_matches_json(bundled_json, tmp_path):
+    """The TensorFlow-free reading path: ArrayRecord data, read through as_data_source."""
+    _write_tfds_c4(tmp_path, {"validation": bundled_json["validation"]}, "array_record")
     texts = list(tfds_source("c4/en:3.0.1", str(tmp_path), "validation").documents())
-    assert texts == _round_robin(shared_json["validation"], 2)
+    assert texts == _round_robin(bundled_json["validation"], 2)
 
 
 def test_tfds_missing_dataset(tmp_path):

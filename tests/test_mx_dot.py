@@ -1,22 +1,28 @@
 """mx_dot_general against lax.dot_general (recipe bf16) and against the numpy reference GEMMs (every preset).
 
-For a linear layer y = x W the three GEMMs are (DESIGN.md section 3):
+For a linear layer y = x W the three GEMMs are (docs/numerics.md, "The GEMM recipe"):
   Fprop  y  = x W      quantize x and W along K
   Dgrad  dx = dy W^T   quantize dy and W along N
   Wgrad  dW = x^T dy   quantize x and dy along T (all non-contracting dims of x)
-The reference builds each GEMM from the contract table below, written from DESIGN.md (not from the code), and
-compares forward and both gradients with a per-element bound 1e-5 * (|A_q| |B_q|): the float32 accumulation
-error scale. One element quantized one grid step differently moves its outputs by ~1e-2 of that scale.
+The reference builds each GEMM from the contract table below, written from the numerics contract (not from
+the code), and compares forward and both gradients with a per-element bound 1e-5 * (|A_q| |B_q|): the float32
+accumulation error scale (on a GPU, GEMMs on FP8 or MX tensor cores get those cores' accumulation bound
+instead: tests/lanes.py). One element quantized one grid step differently moves its outputs by ~1e-2 of
+that scale.
 Rotated presets add, per output, the room left by rotated elements lying within float32 rotation error of a
 rounding boundary (computed by mx_reference; zero almost everywhere, exactly zero for exact rotations).
+Where a test means float32 products (unquantized GEMMs), it asks for precision HIGHEST: GPUs otherwise
+multiply float32 as TF32.
 """
 
 import dataclasses
 import functools
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
+import lanes
 import mx_reference as ref
 import numpy as np
 import pytest
@@ -35,7 +41,7 @@ from fp4jax.ops import (
 Op = ref.Operand
 MX4 = Op("mx", "e2m1", 32, "even", "nearest_even")
 MX4_SR = Op("mx", "e2m1", 32, "even", "stochastic")
-MX8 = Op("mx", "e4m3", 32, "ceil", "nearest_even")  # owner's decision (DESIGN.md is silent): NVIDIA's MXFP8
+MX8 = Op("mx", "e4m3", 32, "ceil", "nearest_even")  # a decision (docs/numerics.md): NVIDIA's MXFP8 rule
 FP8_FWD = Op("fp8", "e4m3")  # x and W
 FP8_GRAD = Op("fp8", "e5m2")  # dy
 NONE = ref.NONE
@@ -75,6 +81,7 @@ CONTRACT = {
 STOCHASTIC = ("mxfp4_full_sr", "mxfp4_full_sr_prescale", "mxfp4_full_rht")
 DETERMINISTIC = [n for n in CONTRACT if n not in ("fp8_delayed", "fp8_mlperf", *STOCHASTIC)]
 GEMMS = ("fprop", "dgrad", "wgrad")
+F32 = jax.lax.Precision.HIGHEST  # float32 products on every platform (GPUs default to TF32)
 
 # dimension_numbers cases, with einsum-like subscripts (lhs, rhs, out) for the reference.
 DIMS = {
@@ -118,8 +125,16 @@ def _inputs(lhs_shape, rhs_shape, subs, seed=0):
     return lhs, rhs, dy
 
 
+def _contraction_length(a, a_subs, b_subs, out_subs) -> int:
+    """K of the GEMM a (a_subs) x b (b_subs) -> out_subs: the product of the contracted letters' sizes."""
+    return int(np.prod([a.shape[i] for i, c in enumerate(a_subs) if c in b_subs and c not in out_subs]))
+
+
 def _reference(name, lhs, rhs, dy, subs, signs=(None, None, None)):
-    """[y, dlhs, drhs] from the contract table, each (value, error scale, rotation room)."""
+    """[y, dlhs, drhs] from the contract table, each (value, error scale, rotation room, rtol).
+
+    rtol is this lane's accumulation bound for the GEMM (tests/lanes.py): 1e-5 but on GPU tensor cores.
+    """
     lhs_subs, rhs_subs, out_subs = subs
     table = CONTRACT[name]
     out = []
@@ -130,28 +145,36 @@ def _reference(name, lhs, rhs, dy, subs, signs=(None, None, None)):
     }
     for gemm, s in zip(GEMMS, signs, strict=True):
         a_op, b_op, rot = table[gemm]
-        out.append(
-            ref.quantized_dot(*calls[gemm], a_op, b_op, rotation=rot and rot[1], signs=s, return_abs=True)
+        value, scale, room = ref.quantized_dot(
+            *calls[gemm], a_op, b_op, rotation=rot and rot[1], signs=s, return_abs=True
         )
+        a, a_subs, _, b_subs, c_subs = calls[gemm]
+        k = _contraction_length(a, a_subs, b_subs, c_subs)
+        rtol = lanes.gemm_rtol(a_op.kind, b_op.kind, k)
+        out.append((value, scale, room, rtol))
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "recipe", "pet"))
-def _fwd_bwd(lhs, rhs, dy, key=None, *, dims, recipe, pet=None):
-    f = lambda a, b: mx_dot_general(a, b, dims, preferred_element_type=pet, recipe=recipe, key=key)
+@functools.partial(jax.jit, static_argnames=("dims", "recipe", "pet", "precision"))
+def _fwd_bwd(lhs, rhs, dy, key=None, *, dims, recipe, pet=None, precision=None):
+    f = lambda a, b: mx_dot_general(a, b, dims, precision, pet, recipe=recipe, key=key)
     y, vjp = jax.vjp(f, lhs, rhs)
     return (y, *vjp(dy.astype(y.dtype)))
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "pet"))
-def _lax_fwd_bwd(lhs, rhs, dy, *, dims, pet=None):
-    f = lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=pet)
+@functools.partial(jax.jit, static_argnames=("dims", "pet", "precision"))
+def _lax_fwd_bwd(lhs, rhs, dy, *, dims, pet=None, precision=None):
+    f = lambda a, b: jax.lax.dot_general(a, b, dims, precision, preferred_element_type=pet)
     y, vjp = jax.vjp(f, lhs, rhs)
     return (y, *vjp(dy.astype(y.dtype)))
 
 
-def _assert_close(got, want_and_scale, what, rtol=1e-5):
-    want, scale, *room = want_and_scale  # room: legitimate float32-rotation flips (mx_reference)
+def _assert_close(got, want_and_scale, what, rtol=None):
+    """|got - want| <= rtol |A||B| + room per element; rtol defaults to the reference's (or 1e-5)."""
+    want, scale, *rest = want_and_scale  # rest: room (legitimate float32-rotation flips), the lane's rtol
+    room = rest[:1]
+    if rtol is None:
+        rtol = rest[1] if len(rest) > 1 else lanes.FLOAT32_RTOL
     got = np.asarray(got)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     assert got.dtype == np.float32, (what, got.dtype)
@@ -219,12 +242,13 @@ def test_preset_names():
 def test_bf16_recipe_equals_lax_dot_general(case):
     lhs_shape, rhs_shape, dims, subs = DIMS[case]
     lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=1)
-    got = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe="bf16")
-    want = _lax_fwd_bwd(lhs, rhs, dy, dims=dims)
     scales = _reference("bf16", lhs, rhs, dy, subs)
-    for g, w, (_, scale, _), what in zip(got, want, scales, ("y", "dlhs", "drhs"), strict=True):
-        assert g.dtype == w.dtype and g.shape == w.shape, (what, g.dtype, w.dtype, g.shape, w.shape)
-        _assert_close(g, (np.asarray(w), scale), f"{case} {what}", rtol=1e-6)
+    for precision in (None, F32):  # the caller's precision reaches the dot, as in lax.dot_general
+        got = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe="bf16", precision=precision)
+        want = _lax_fwd_bwd(lhs, rhs, dy, dims=dims, precision=precision)
+        for g, w, (_, scale, *_), what in zip(got, want, scales, ("y", "dlhs", "drhs"), strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape, (what, g.dtype, w.dtype, g.shape, w.shape)
+            _assert_close(g, (np.asarray(w), scale), f"{case} {precision} {what}", rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -238,7 +262,8 @@ def test_bf16_recipe_equals_lax_dot_general(case):
 def test_preset_matches_reference(name, case):
     lhs_shape, rhs_shape, dims, subs = DIMS[case]
     lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=2)
-    got = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=name)
+    precision = F32 if name == "bf16" else None  # bf16 on float32 inputs means float32 GEMMs
+    got = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=name, precision=precision)
     want = _reference(name, lhs, rhs, dy, subs)
     for g, w, what in zip(got, want, ("fprop y", "dgrad dx", "wgrad dW"), strict=True):
         _assert_close(g, w, f"{name} {case} {what}")
@@ -276,7 +301,7 @@ def test_quantization_actually_happens():
     lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
     lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=2)
     y = np.asarray(_fwd_bwd(lhs, rhs, dy, dims=dims, recipe="mxfp4_full")[0])
-    exact, scale, _ = _reference("bf16", lhs, rhs, dy, subs)[0]
+    exact, scale, *_ = _reference("bf16", lhs, rhs, dy, subs)[0]
     assert np.median(np.abs(y - exact) / scale) > 1e-3
 
 
@@ -307,15 +332,14 @@ def test_fp8_delayed_uses_history_scales_and_returns_updated_histories():
     s_g = ref.fp8_scale_from_history(meta["grad"], "e5m2")
     x_op, w_op = Op("fp8", "e4m3", fp8_scale=s_x), Op("fp8", "e4m3", fp8_scale=s_w)
     g_op = Op("fp8", "e5m2", fp8_scale=s_g)
-    _assert_close(
-        y, ref.quantized_dot(lhs, "tk", rhs, "kn", "tn", x_op, w_op, return_abs=True), "delayed fprop"
-    )
-    _assert_close(
-        dx, ref.quantized_dot(dy, "tn", rhs, "kn", "tk", g_op, w_op, return_abs=True), "delayed dgrad"
-    )
-    _assert_close(
-        dw, ref.quantized_dot(lhs, "tk", dy, "tn", "kn", x_op, g_op, return_abs=True), "delayed wgrad"
-    )
+    (t, k), n = lhs.shape, rhs.shape[1]
+    for got, a, a_subs, b, b_subs, out_subs, ops, length, what in (
+        (y, lhs, "tk", rhs, "kn", "tn", (x_op, w_op), k, "delayed fprop"),
+        (dx, dy, "tn", rhs, "kn", "tk", (g_op, w_op), n, "delayed dgrad"),
+        (dw, lhs, "tk", dy, "tn", "kn", (x_op, g_op), t, "delayed wgrad"),
+    ):
+        want = ref.quantized_dot(a, a_subs, b, b_subs, out_subs, *ops, return_abs=True)
+        _assert_close(got, want, what, rtol=lanes.gemm_rtol("fp8", "fp8", length))
     for role, v in (("lhs", lhs), ("rhs", rhs), ("grad", dy)):
         np.testing.assert_array_equal(np.asarray(new_meta[role]), ref.fp8_amax_history_update(meta[role], v))
     with pytest.raises(ValueError):
@@ -323,12 +347,13 @@ def test_fp8_delayed_uses_history_scales_and_returns_updated_histories():
 
 
 def _sharded(v, spec):
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    mesh = lanes.mesh_2d(("data", "model"))
     return jax.device_put(v, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
 
 
 def test_sharded_tokens_match_reference_and_unsharded():
-    # Tokens sharded over all 8 devices (8 per shard): Wgrad's 32-blocks along T span four shards.
+    # Tokens sharded over all devices (8 per shard on the 8 CPU devices): Wgrad's 32-blocks along T span
+    # four shards. On one GPU the sharding is trivial and this checks the unsharded path.
     subs = ("tk", "kn", "tn")
     lhs, rhs, dy = _inputs((64, 48), (48, 24), subs, seed=13)
     dims = (((1,), (0,)), ((), ()))
@@ -341,10 +366,12 @@ def test_sharded_tokens_match_reference_and_unsharded():
     key = jax.random.key(3)
     sharded = _fwd_bwd(xs, ws, dys, key, dims=dims, recipe="mxfp4_full_sr")
     single = _fwd_bwd(lhs, rhs, dy, key, dims=dims, recipe="mxfp4_full_sr")
-    for a, b, (_, scale, _), what in zip(
+    for a, b, (_, scale, _, rtol), what in zip(
         sharded, single, _reference("mxfp4_full", lhs, rhs, dy, subs), GEMMS, strict=True
     ):
-        _assert_close(a, (np.asarray(b), scale), f"sr sharded vs unsharded {what}")
+        # Two results, each within the lane's accumulation bound of the exact one (1e-5 on the CPU).
+        both = lanes.FLOAT32_RTOL + 2 * (rtol - lanes.FLOAT32_RTOL)
+        _assert_close(a, (np.asarray(b), scale), f"sr sharded vs unsharded {what}", rtol=both)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -363,11 +390,12 @@ def test_output_dtype_and_preferred_element_type(name):
             assert g.dtype == w.dtype and g.shape == w.shape, (name, pet, what, g.dtype, w.dtype)
     # Values: bf16 inputs are exact in float32, so the reference applies; one bf16 output rounding.
     y = _fwd_bwd(lb, rb, dyb, dims=dims, recipe=name)[0]
-    want, scale, _ = _reference(name, lb.astype(jnp.float32), rb.astype(jnp.float32), dy, subs)[0]
+    reference = _reference(name, lb.astype(jnp.float32), rb.astype(jnp.float32), dy, subs)[0]
+    want, scale, _, rtol = reference
     err = np.abs(np.asarray(y, np.float32) - want)
-    assert (err <= 2.0**-8 * np.abs(want) + 1e-5 * scale).all()
+    assert (err <= 2.0**-8 * np.abs(want) + rtol * scale).all()
     y32 = _fwd_bwd(lb, rb, dyb, dims=dims, recipe=name, pet=jnp.float32)[0]
-    _assert_close(y32, (want, scale), f"{name} bf16 inputs, float32 output")
+    _assert_close(y32, reference, f"{name} bf16 inputs, float32 output")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -392,16 +420,20 @@ def test_sr_preset_keys_and_forward():
 
 def test_sr_gradients_are_unbiased():
     """Mean over n keys of each SR gradient -> E[Q(a)] E[Q(b)] (operands drawn independently), computed
-    exactly by the reference. Bound: 5 sample standard deviations of the mean, plus the float32 scale."""
+    exactly by the reference. Bound: 5 sample standard deviations of the mean, plus the float32 scale.
+
+    The GEMMs run on the emulate back end (what `auto` is on the CPU): a statistical test of the rounding
+    needs an unbiased accumulation, and FP8 tensor cores truncate (tests/lanes.py)."""
     lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
     lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=6)
     n = 400
     keys = jax.random.split(jax.random.key(0), n)
-    run = jax.jit(jax.vmap(lambda k: _fwd_bwd(lhs, rhs, dy, k, dims=dims, recipe="mxfp4_full_sr")[1:]))
+    recipe = dataclasses.replace(PRESETS["mxfp4_full_sr"], backend="emulate")
+    run = jax.jit(jax.vmap(lambda k: _fwd_bwd(lhs, rhs, dy, k, dims=dims, recipe=recipe)[1:]))
     dlhs, drhs = (np.asarray(v, np.float64) for v in run(keys))
     want = _reference("mxfp4_full_sr", lhs, rhs, dy, subs)[1:]
     nearest = _reference("mxfp4_full", lhs, rhs, dy, subs)[1:]
-    for samples, (expect, scale, _), (rne, _, _), what in zip(
+    for samples, (expect, scale, *_), (rne, *_), what in zip(
         (dlhs, drhs), want, nearest, ("dgrad", "wgrad"), strict=True
     ):
         mean, sd = samples.mean(0), samples.std(0, ddof=1)
@@ -457,7 +489,8 @@ def _find_signs(a_rows, b_cols, got, op):
     qb = ref.quantize_mx(_rotate_candidates(b_cols.T, _SIGN_REPS), **kw).dequantize64()
     prod = np.einsum("sik,sjk->sij", qa, qb)
     scale = np.einsum("sik,sjk->sij", np.abs(qa), np.abs(qb))
-    ok = (np.abs(prod - got[None, :2, :2]) <= 1e-5 * scale + 1e-30).all(axis=(1, 2))
+    rtol = lanes.gemm_rtol("mx", "mx", a_rows.shape[1])
+    ok = (np.abs(prod - got[None, :2, :2]) <= rtol * scale + 1e-30).all(axis=(1, 2))
     return _SIGN_REPS[ok]
 
 
@@ -514,7 +547,7 @@ def test_random_rotation_cancels_without_quantization():
     assert recipe.needs_key
     lhs_shape, rhs_shape, dims, subs = DIMS["3d_activations"]
     lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=9)
-    got = _fwd_bwd(lhs, rhs, dy, jax.random.key(0), dims=dims, recipe=recipe)
+    got = _fwd_bwd(lhs, rhs, dy, jax.random.key(0), dims=dims, recipe=recipe, precision=F32)
     want = _reference("bf16", lhs, rhs, dy, subs)
     for g, w, what in zip(got, want, ("y", "dx", "dW"), strict=True):
         _assert_close(g, w, f"random rotation, unquantized: {what}")
@@ -556,23 +589,24 @@ def test_recipes_are_hashable_static_args():
     )
 
 
-def test_fp8_backend_slot_says_it_is_not_built():
-    """The Hopper back end's slot exists; until it is built, choosing it is a clear error, not a fallback."""
-    x = jnp.ones((4, 32), jnp.float32)
-    recipe = dataclasses.replace(PRESETS["mxfp4_full"], backend="fp8")
-    with pytest.raises(NotImplementedError, match="'fp8'.*use backend='emulate' or 'native'"):
-        mx_dot_general(x, x.T, (((1,), (0,)), ((), ())), recipe=recipe)
-
-
-@pytest.mark.parametrize("name,backend", [("mxfp4_full", "native"), ("mxfp8", "native")])
+@pytest.mark.parametrize(
+    "name,backend",
+    [("mxfp4_full", "native"), ("mxfp8", "native"), ("mxfp4_full", "fp8"), ("mxfp4_fprop", "fp8")],
+)
 def test_backends_equal_emulate(name, backend):
+    """Every back end computes emulate's numbers: on the CPU up to float32 summation order; on a GPU up to
+    the tensor cores' accumulation (tests/lanes.py). mxfp4_fprop's FP8 x FP8 GEMMs run as FP8 GEMMs."""
     lhs_shape, rhs_shape, dims, subs = DIMS["3d_activations"]
     lhs, rhs, dy = _inputs(lhs_shape, rhs_shape, subs, seed=10)
     emulate = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=dataclasses.replace(PRESETS[name], backend="emulate"))
     other = _fwd_bwd(lhs, rhs, dy, dims=dims, recipe=dataclasses.replace(PRESETS[name], backend=backend))
     want = _reference(name, lhs, rhs, dy, subs)
-    for e, o, (_, scale, _), what in zip(emulate, other, want, ("y", "dx", "dW"), strict=True):
-        _assert_close(o, (np.asarray(e), scale), f"{name} {backend} vs emulate: {what}")
+    lengths = {"fprop": 64, "dgrad": 32, "wgrad": 40}  # K, N and T of 3d_activations
+    for e, o, (_, scale, *_), gemm in zip(emulate, other, want, GEMMS, strict=True):
+        a_op, b_op, _ = CONTRACT[name][gemm]
+        rtols = [lanes.gemm_rtol(a_op.kind, b_op.kind, lengths[gemm], b) for b in ("emulate", backend)]
+        rtol = sum(rtols) - lanes.FLOAT32_RTOL  # two results, each within its own bound of the exact one
+        _assert_close(o, (np.asarray(e), scale), f"{name} {backend} vs emulate: {gemm}", rtol=rtol)
 
 
 def test_make_dot_general_is_a_drop_in():
@@ -585,3 +619,52 @@ def test_make_dot_general_is_a_drop_in():
         lambda a, b: dg(a, b, dims, precision=None, preferred_element_type=jnp.float32, out_sharding=None)
     )(lhs, rhs)
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The public module, and the precision of each GEMM's dot.
+
+
+def test_mx_dot_module_is_the_public_surface():
+    import fp4jax.ops
+    import fp4jax.ops.mx_dot
+    from fp4jax.ops import mx_dot
+
+    assert isinstance(mx_dot, types.ModuleType) and mx_dot is fp4jax.ops.mx_dot
+    wanted = {"mx_dot_general", "make_dot_general", "QuantDotGeneral", "NnxQuantDotGeneral", "PRESETS"}
+    assert wanted | {"get_recipe", "Recipe", "GemmSpec", "QuantSpec", "RotationSpec"} <= set(mx_dot.__all__)
+    for name in mx_dot.__all__:  # one object under both spellings
+        assert getattr(mx_dot, name) is getattr(fp4jax.ops, name), name
+    assert mx_dot.mx_dot_general is mx_dot_general
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The precision of every dot_general in a jaxpr, sub-jaxprs (custom_vjp, pjit) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _dot_precisions(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _dot_precisions(sub)
+    return found
+
+
+def test_plain_operand_times_quantized_one_is_a_float32_product():
+    """A plain float32 operand times a quantized one is multiplied at precision HIGHEST (GPUs would round it
+    to TF32 otherwise, an error no recipe asks for); GEMMs of two plain operands keep the caller's precision,
+    as lax.dot_general does."""
+    mxfp4 = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
+    mixed = Recipe(fprop=GemmSpec(lhs=mxfp4), name="mx_times_plain")  # MX4 x NONE
+    lhs_shape, rhs_shape, dims, subs = DIMS["2d"]
+    lhs, rhs, _ = _inputs(lhs_shape, rhs_shape, subs, seed=15)
+    trace = lambda recipe: jax.make_jaxpr(lambda a, b: mx_dot_general(a, b, dims, recipe=recipe))(lhs, rhs)
+    (mixed_precision,) = _dot_precisions(trace(mixed).jaxpr)
+    assert mixed_precision == (F32, F32), mixed_precision
+    assert _dot_precisions(trace("bf16").jaxpr) == [None]
+    got = jax.jit(lambda a, b: mx_dot_general(a, b, dims, recipe=mixed))(lhs, rhs)
+    want = ref.quantized_dot(lhs, "tk", rhs, "kn", "tn", MX4, NONE, return_abs=True)
+    _assert_close(got, want, "mx x plain")

@@ -1,8 +1,12 @@
 """fp4jax.ops: exact MX / FP8 quantization, Hadamard rotations and the per-GEMM quantized dot_general.
 
-from fp4jax.ops import mx_dot_general, make_dot_general, QuantDotGeneral
+from fp4jax.ops import mx_dot   # the module: mx_dot.mx_dot_general, mx_dot.QuantDotGeneral, ...
+from fp4jax.ops import mx_dot_general, QuantDotGeneral, NnxQuantDotGeneral, make_dot_general
 """
 
+# `fp4jax.ops.mx_dot` is the module of the quantized dot_general's public names (mx_dot.py), never a
+# function: `import fp4jax.ops.mx_dot` and `from fp4jax.ops import mx_dot` give the same module.
+from fp4jax.ops import mx_dot
 from fp4jax.ops.flax_adapters import NnxQuantDotGeneral, QuantDotGeneral
 from fp4jax.ops.formats import ELEM_FORMATS, ElemFormat, get_elem_format
 from fp4jax.ops.quantize import (
@@ -16,10 +20,6 @@ from fp4jax.ops.quantize import (
 from fp4jax.ops.quantized_dot import make_dot_general, mx_dot_general, operand_layouts
 from fp4jax.ops.recipes import PRESETS, GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
-
-# The short name of DESIGN.md: `from fp4jax.ops import mx_dot`. (The module is quantized_dot.py, so that
-# `fp4jax.ops.mx_dot` is never ambiguous between a module and this function.)
-mx_dot = mx_dot_general
 
 __all__ = [
     "ELEM_FORMATS",

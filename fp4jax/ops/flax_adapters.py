@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from fp4jax.ops.quantized_dot import mx_dot_general
+from fp4jax.ops.quantized_dot import make_dot_general
 from fp4jax.ops.recipes import Recipe, get_recipe
 
 QUANT_RNG = "quant"
@@ -43,19 +43,11 @@ class QuantDotGeneral(nn.Module):
     amax_history_length: int | None = None  # None: the recipe's fp8_amax_history_len
 
     @nn.compact
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    def __call__(self, lhs, rhs, *args, **kwargs):
+        """lax.dot_general's signature: (lhs, rhs, dimension_numbers, precision, preferred_element_type)."""
         recipe = get_recipe(self.recipe)
-        return mx_dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            recipe=recipe,
-            key=self._key(recipe),
-            fp8_meta=self._fp8_meta(recipe),
-            **kwargs,
-        )
+        dot_general = make_dot_general(recipe, key=self._key(recipe), fp8_meta=self._fp8_meta(recipe))
+        return dot_general(lhs, rhs, *args, **kwargs)
 
     def _key(self, recipe: Recipe):
         if not recipe.needs_key:
@@ -99,17 +91,7 @@ class NnxQuantDotGeneral(nnx.Module):
         self.rngs = rngs
         self.rng_stream = rng_stream
 
-    def __call__(
-        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs
-    ) -> Any:
+    def __call__(self, lhs, rhs, *args, **kwargs) -> Any:
+        """lax.dot_general's signature: (lhs, rhs, dimension_numbers, precision, preferred_element_type)."""
         key = self.rngs[self.rng_stream]() if self.recipe.needs_key else None
-        return mx_dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            recipe=self.recipe,
-            key=key,
-            **kwargs,
-        )
+        return make_dot_general(self.recipe, key=key)(lhs, rhs, *args, **kwargs)

@@ -1,4 +1,4 @@
-"""`mx_dot_general`: a quantized drop-in for `jax.lax.dot_general`, one `jax.custom_vjp` (DESIGN.md §3).
+"""`mx_dot_general`: a quantized drop-in for `jax.lax.dot_general`, one `jax.custom_vjp`.
 
 Every call is brought to one canonical form: each operand is transposed and reshaped to
 (batch, free, contraction), so any dimension_numbers (batch dims, several contracting dims, either
@@ -10,7 +10,8 @@ operand contracting on any axis) become
 
 and each of the three GEMMs goes through `_gemm`, which pads the contraction axis, rotates, quantizes
 both operands along the contraction axis from the high-precision tensors, and multiplies with float32
-accumulation. A quantized tensor is never reused across a change of contraction axis.
+accumulation. A quantized tensor is never reused across a change of contraction axis. The contract,
+rule by rule: docs/numerics.md.
 """
 
 from __future__ import annotations
@@ -123,6 +124,18 @@ def _pad_contraction(x: jax.Array, multiple: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, 0), (0, pad))) if pad else x
 
 
+def _dot_precision(gemm: GemmSpec, precision):
+    """The precision of a GEMM's dot: the caller's, except where a plain operand meets a quantized one.
+
+    Quantized operands are exact in the dtype they are multiplied in (bf16, FP8), so the caller's
+    precision changes nothing for them, and a GEMM of two plain operands is the caller's lax.dot_general.
+    A plain float32 operand times a quantized one is meant to be exact in float32: HIGHEST keeps GPUs from
+    rounding it to TF32, which would add an error that is no part of the recipe.
+    """
+    plain = (gemm.lhs.kind == "none", gemm.rhs.kind == "none")
+    return jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else precision
+
+
 def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
     """out[b, m, n] = sum_k a[b, m, k] c[b, n, k], each operand rotated and quantized along k."""
     a = _pad_contraction(a, gemm.contraction_multiple)
@@ -134,7 +147,7 @@ def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> 
         c = rotate_blocks(c, axis=-1, size=gemm.rotation.size, signs=signs)
     qa = _quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
     qc = _quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
-    out = backends.matmul(qa, qc, backend=backend, precision=precision)
+    out = backends.matmul(qa, qc, backend=backend, precision=_dot_precision(gemm, precision))
     prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the product
     return out if prescale == 1 else out / prescale
 
@@ -260,11 +273,15 @@ def mx_dot_general(
     return _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
 
 
-def make_dot_general(recipe: str | Recipe, key: jax.Array | None = None):
-    """A callable with lax.dot_general's signature for `nn.Dense(dot_general=...)` / `nnx.Linear`.
+def make_dot_general(
+    recipe: str | Recipe, key: jax.Array | None = None, fp8_meta: dict[str, jax.Array] | None = None
+):
+    """`mx_dot_general` with recipe, key and fp8_meta bound, behind lax.dot_general's signature.
 
-    For recipes that need a key per call, prefer the Flax adapters; a fixed `key` here would reuse the
-    same random draws at every step.
+    For `nn.Dense(dot_general=...)` / `nnx.Linear(dot_general=...)`, and the one path by which the Flax
+    adapters call `mx_dot_general` (they bind a fresh key and their amax histories per call). For recipes
+    that need a key per call, prefer the adapters: a fixed `key` here reuses the same random draws at
+    every step.
     """
     recipe = get_recipe(recipe)
 
@@ -277,6 +294,7 @@ def make_dot_general(recipe: str | Recipe, key: jax.Array | None = None):
             preferred_element_type,
             recipe=recipe,
             key=key,
+            fp8_meta=fp8_meta,
             **kwargs,
         )
 
