@@ -1,6 +1,7 @@
 """GEMM throughput of fp4jax.ops.mx_dot_general against plain bf16 / FP8 dots, side by side in one run.
 
     PYTHONPATH=. python benchmarks/bench_gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE.md]
+    PYTHONPATH=. python benchmarks/bench_gemm.py --backends emulate,fp8   # each MX preset per GEMM back end
 
 Each variant is jitted once, warmed up, then timed `--iters` times (block_until_ready per call); the
 table reports the median. TFLOP/s counts 2*M*N*K per GEMM (3 GEMMs for forward+backward), so a
@@ -10,6 +11,7 @@ quantized path is charged for its quantization work inside the same time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import time
@@ -44,15 +46,16 @@ def _baselines(x, w):
     return {"xla bf16 dot": (bf16, (x, w), 1), "xla fp8 e4m3 dot (pre-quantized)": (fp8, (x8, w8), 1)}
 
 
-def _mx_variants(x, w, dy, key):
+def _mx_variants(x, w, dy, key, backend: str = "auto"):
     """Forward alone, and forward + both gradients for a random cotangent dy.
 
     The cotangent must be random: with jax.grad of a sum it would be all ones, and XLA turns a dot with
     a broadcast of ones into a reduction (and drops the unused forward), which times nothing real.
     """
     variants = {}
+    suffix = "" if backend == "auto" else f" [{backend}]"
     for name in PRESETS:
-        recipe = get_recipe(name)
+        recipe = dataclasses.replace(get_recipe(name), backend=backend)
         k = key if recipe.needs_key else None
 
         def fwd(a, b, recipe=recipe, k=k):
@@ -62,19 +65,21 @@ def _mx_variants(x, w, dy, key):
             out, vjp = jax.vjp(fwd, a, b)
             return out, vjp(g)
 
-        variants[f"mx_dot {name} fwd"] = (jax.jit(fwd), (x, w), 1)
-        variants[f"mx_dot {name} fwd+bwd"] = (jax.jit(fwd_bwd), (x, w, dy), 3)
+        variants[f"mx_dot {name}{suffix} fwd"] = (jax.jit(fwd), (x, w), 1)
+        variants[f"mx_dot {name}{suffix} fwd+bwd"] = (jax.jit(fwd_bwd), (x, w, dy), 3)
     return variants
 
 
-def run(shapes, iters: int) -> list[tuple[str, str, float, float]]:
+def run(shapes, iters: int, backends=("auto",)) -> list[tuple[str, str, float, float]]:
     rows = []
     for m, k, n in shapes:
         kx, kw, kg, kq = jax.random.split(jax.random.key(0), 4)
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
         w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
         dy = (jax.random.normal(kg, (m, n), jnp.float32) * 1e-3).astype(jnp.bfloat16)
-        variants = {**_baselines(x, w), **_mx_variants(x, w, dy, kq)}
+        variants = _baselines(x, w)
+        for backend in backends:
+            variants.update(_mx_variants(x, w, dy, kq, backend))
         for name, (fn, args, gemms) in variants.items():
             seconds = _time(fn, *args, iters=iters)
             tflops = gemms * 2 * m * n * k / seconds / 1e12
@@ -101,11 +106,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x8192x8192,16384x4096x14336", help="MxKxN,...")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--backends", default="auto", help="MX presets per back end: auto,emulate,fp8")
     parser.add_argument("--out", default="", help="write the markdown table here")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = run(shapes, args.iters)
-    table = to_markdown(rows, "python benchmarks/bench_gemm.py --shapes " + args.shapes)
+    rows = run(shapes, args.iters, tuple(args.backends.split(",")))
+    command = f"python benchmarks/bench_gemm.py --shapes {args.shapes} --backends {args.backends}"
+    table = to_markdown(rows, command)
     if args.out:
         with open(args.out, "w") as f:
             f.write(table)

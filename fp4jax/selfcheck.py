@@ -113,22 +113,37 @@ def median_seconds(fn, *args, warmup: int = 2, iters: int = 5) -> float:
     return statistics.median(times)
 
 
-_GEMM_OP = re.compile(r"=\s*\(?(?:f32|bf16|f16)\[[^=]*?(?:custom-call|dot)\((\w+)\[")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?(\w+)\[")
+_GEMM_CALL = re.compile(r"\b(?:dot|custom-call)\(\s*(?:(\w+)\[[^\]]*\]\S*\s+)?%?([\w.\-]+)")
+
+
+def _is_gemm(line: str) -> bool:
+    if " dot(" in line:
+        return True
+    target = re.search(r'custom_call_target="([^"]*)"', line)
+    return (
+        " custom-call(" in line
+        and target is not None
+        and re.search(r"matmul|gemm", target.group(1)) is not None
+    )
 
 
 def gemm_operand_types(hlo_text: str) -> list[str]:
     """The element type of the first operand of every dot / library GEMM call in compiled HLO text
-    (e.g. ['f8e4m3fn', 'f8e4m3fn', 'f8e4m3fn'] when all three GEMMs run on FP8 operands)."""
-    types = []
-    for line in hlo_text.splitlines():
-        if "dot(" not in line and "custom-call(" not in line:
-            continue
-        if "custom-call(" in line and "matmul" not in line and "gemm" not in line.lower():
-            continue
-        match = _GEMM_OP.search(line)
+    (e.g. ['f8e4m3fn', 'f8e4m3fn', 'f8e4m3fn'] when all three GEMMs run on FP8 operands). Reads operand
+    types printed inline, or else looks the operand up by name (newer HLO text omits operand shapes)."""
+    lines = hlo_text.splitlines()
+    types = {}
+    for line in lines:
+        match = _DEFINITION.match(line)
         if match:
-            types.append(match.group(1))
-    return types
+            types[match.group(1)] = match.group(2)
+    found = []
+    for line in lines:
+        call = _GEMM_CALL.search(line) if _is_gemm(line) else None
+        if call:
+            found.append(call.group(1) or types.get(call.group(2), "?"))
+    return found
 
 
 def check_gemms(recipe: str, shape, backend_names, bound: float, on_gpu: bool) -> bool:

@@ -17,9 +17,26 @@ CUBLAS_BF16 = (
 NOT_A_GEMM = '  %cc = f32[8]{0} custom-call(f8e4m3fn[8]{0} %x), custom_call_target="SomethingElse"'
 
 
+# Newer HLO text prints operands by name only: the reader looks their types up.
+BY_NAME = """  %param_0.3 = f8e4m3fn[8192,4096]{1,0} parameter(0)
+  %convert.9 = bf16[8192,4096]{1,0} convert(%param_0.3)
+  ROOT %dot.2 = f32[8192,14336]{1,0} dot(%param_0.3, %param_1.3), lhs_contracting_dims={1}
+  %dot.3 = f32[8192,14336]{1,0} dot(%convert.9, %param_1.3), lhs_contracting_dims={1}"""
+
+
 def test_gemm_operand_types_reads_library_and_fused_gemms():
     text = "\n".join([CUBLAS_F8, TRITON_F8, CUBLAS_BF16, NOT_A_GEMM, "  %add = f32[8]{0} add(f32[8] %a, %b)"])
     assert selfcheck.gemm_operand_types(text) == ["f8e4m3fn", "f8e5m2", "bf16"]
+    assert selfcheck.gemm_operand_types(BY_NAME) == ["f8e4m3fn", "bf16"]
+
+
+def test_gemm_operand_types_of_a_real_compiled_program():
+    import jax
+    import jax.numpy as jnp
+
+    dot = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    a = jnp.ones((32, 64), jnp.bfloat16)
+    assert selfcheck.gemm_operand_types(jax.jit(dot).lower(a, a).compile().as_text()) in (["bf16"], ["f32"])
 
 
 def test_selfcheck_passes_on_cpu(capsys):
