@@ -161,39 +161,48 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters):
     return rows
 
 
-# Candidate Pallas tiles for --sweep (the first is the default in fused_quantize_pallas.TILES).
+# Candidate Pallas tiles for --sweep (the first is the default in fused_quantize_pallas.TILES); a fold
+# entry "via_mx" times the other fold method (MX kernel, then a fold of its output) instead.
 SWEEP = {
     ("mx", False): [(32, 256, 4), (64, 256, 8), (16, 512, 4)],
     ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4)],
-    ("fp8_fold", False): [(8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4)],
-    ("fp8_fold", True): [(16, 256, 8), (32, 128, 8), (16, 512, 8)],
+    ("fp8_fold", False): [(8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4), "via_mx"],
+    ("fp8_fold", True): ["via_mx", (16, 256, 8), (32, 128, 8)],
 }
 
 
+def _time_candidate(fn, inputs, want, m, k, out, iters):
+    try:
+        seconds = _time(fn, inputs, iters)
+        same = "yes" if _same(fn(inputs[0]), want) else "NO"
+        return seconds, _io_bytes(m, k, out) / seconds / 1e12, same
+    except Exception as e:
+        print("".join(traceback.format_exception_only(e))[-2000:], flush=True)
+        return float("nan"), float("nan"), f"FAILED {type(e).__name__}"
+
+
 def sweep(m: int, k: int, iters: int) -> list[tuple]:
-    """Times each candidate tile of each Pallas kernel (H16, one shape); restores the defaults."""
+    """Times each candidate tile / fold method of each Pallas kernel (H16, one shape), then restores."""
     rows = []
     inputs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in jax.random.split(jax.random.key(1), 3)]
     rotation = ROTATIONS["H16"]
     for (out, column), candidates in SWEEP.items():
         axis, layout = (-2, "col") if column else (-1, "row")
-        default = kernels.TILES[out, column]
+        default_tile, default_method = kernels.TILES[out, column], kernels.FOLD_METHOD[column]
         want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
-        for dims in candidates:
-            kernels.TILES[out, column] = kernels.Tile(*dims)
-            fq._rotate_quantize.clear_cache()  # the tiles are read when the kernel is traced
+        for candidate in candidates:
+            if candidate == "via_mx":
+                kernels.FOLD_METHOD[column], name = "via_mx", "pallas via_mx"
+            else:
+                kernels.FOLD_METHOD[column] = "two_pass" if out == "fp8_fold" else default_method
+                kernels.TILES[out, column] = kernels.Tile(*candidate)
+                name = "pallas " + "x".join(map(str, candidate))
+            fq._rotate_quantize.clear_cache()  # tiles and methods are read when the kernel is traced
             fn = _fused_fn(axis, rotation, out, "pallas")
-            name = "pallas " + "x".join(map(str, dims))
-            try:
-                seconds = _time(fn, inputs, iters)
-                same = "yes" if _same(fn(inputs[0]), want) else "NO"
-                tbs = _io_bytes(m, k, out) / seconds / 1e12
-            except Exception as e:
-                print("".join(traceback.format_exception_only(e))[-2000:], flush=True)
-                seconds, tbs, same = float("nan"), float("nan"), f"FAILED {type(e).__name__}"
+            seconds, tbs, same = _time_candidate(fn, inputs, want, m, k, out, iters)
             rows.append((f"{m}x{k}", "H16", layout, out, name, seconds * 1e6, tbs, same, ""))
             print(f"sweep {m}x{k} {layout} {out:8s} {name:18s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s")
-        kernels.TILES[out, column] = default
+        kernels.TILES[out, column], kernels.FOLD_METHOD[column] = default_tile, default_method
         fq._rotate_quantize.clear_cache()
     return rows
 

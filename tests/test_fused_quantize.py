@@ -224,17 +224,33 @@ def test_batch_dimensions_and_fold_flushes():
         (-2, H16, "even", "nearest_away", "e2m1", "mx"),
         (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "mx"),
         (-2, H32, "even", "nearest_even", "e4m3", "mx"),
-        (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "fp8_fold"),
-        (-2, H16, "even", "nearest_away", "e2m1", "fp8_fold"),
-        (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "fp8_fold"),
+        (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "two_pass"),
+        (-2, H16, "even", "nearest_away", "e2m1", "two_pass"),
+        (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "via_mx"),
+        (-2, H16, "floor", "nearest_even", "e2m1", "via_mx"),
     ],
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
-def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out):
+def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out, monkeypatch):
+    """out is "mx", or the fold method ("two_pass" or "via_mx") of an fp8_fold output."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    if out != "mx":
+        monkeypatch.setitem(kernels.FOLD_METHOD, axis == -2, out)
+        fq._rotate_quantize.clear_cache()  # the method is read when the kernel is traced
     x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=7))
     signs = random_signs(jax.random.key(2), rotation.size) if rotation.kind == "random" else None
     spec = QuantSpec(kind="mx", elem=elem, scale_mode=scale_mode, rounding=rounding)
-    _check(x, axis=axis, spec=spec, rotation=rotation, out=out, impl="pallas", signs=signs)
+    _check(
+        x,
+        axis=axis,
+        spec=spec,
+        rotation=rotation,
+        out="mx" if out == "mx" else "fp8_fold",
+        impl="pallas",
+        signs=signs,
+    )
+    fq._rotate_quantize.clear_cache()
 
 
 def test_pallas_lowers_to_triton_without_a_gpu():

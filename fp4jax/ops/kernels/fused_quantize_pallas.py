@@ -5,9 +5,13 @@ so it computes exactly what the XLA path computes; only the tiling differs.
 
 - mx: a 2-D grid of (tm, tk) tiles of x; a column-wise tile is transposed in registers, so both layouts
   read x once and write the transposed output directly.
-- fp8_fold: one program per strip of whole output rows (a contract-B row spans the whole contraction
-  axis). Pass 1 walks the strip and keeps only each row's top non-zero block exponent; pass 2 walks it
-  backwards (the chunks read last are the likeliest to still be in L2), re-quantizes and writes E4M3.
+- fp8_fold, method "two_pass" (row layout): one program per strip of whole output rows (a contract-B
+  row spans the whole contraction axis). Pass 1 walks the strip and keeps only each row's top non-zero
+  block exponent; pass 2 walks it backwards (the chunks read last are the likeliest to still be in
+  L2), re-quantizes and writes E4M3.
+- fp8_fold, method "via_mx" (column layout): the mx kernel also writes each tile's part of the row
+  tops; a small row-wise kernel then folds its E2M1 output. It moves 1.06 more bytes per element but
+  keeps the transposing kernel small (the two-pass column kernel needs ~170 registers at sm_90).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fp4jax.ops import formats
 from fp4jax.ops.formats import get_elem_format
 from fp4jax.ops.kernels import fold
 from fp4jax.ops.kernels import fused_quantize as fq
@@ -44,6 +49,7 @@ TILES = {
     ("mx", True): Tile(16, 256, 8),
     ("fp8_fold", False): Tile(8, 512, 4),
     ("fp8_fold", True): Tile(16, 256, 8),
+    ("fold_from_mx", False): Tile(32, 256, 8),
 }
 
 
@@ -79,19 +85,26 @@ def _params(tile: Tile):
 # out="mx"
 
 
-def _mx_kernel(x_ref, *refs, column, spec, rotation, has_signs):
+def _mx_kernel(x_ref, *refs, column, spec, rotation, has_signs, with_tops):
     s_ref = refs[0] if has_signs else None
-    data_ref, scale_ref = refs[-2:]
+    outs = refs[1:] if has_signs else refs
+    data_ref, scale_ref = outs[:2]
     fmt = get_elem_format(spec.elem)
     t = _rotate(_load_tile(x_ref, column), rotation, s_ref)
     rows = t.shape[0]
-    codes, exponent, finite, _ = fq._quantize_tile(t, fmt, spec)
+    codes, exponent, finite, nonzero = fq._quantize_tile(t, fmt, spec)
     data = fq._pack_e2m1(codes) if fmt.name == "e2m1" else codes
     data_ref[...] = data.reshape(rows, -1).astype(jnp.uint8)
     scale_ref[...] = fq._scale_bits(exponent, finite).reshape(rows, -1).astype(jnp.uint8)
+    if with_tops:  # this tile's part of each row's top non-zero block exponent, and of its NaN flag
+        top_ref, nan_ref = outs[2:]
+        top = jnp.where(nonzero, exponent, fq._NO_BLOCK).reshape(rows, -1)
+        top_ref[...] = jnp.max(top, axis=1, keepdims=True)
+        nan_ref[...] = jnp.max((~finite).astype(jnp.int32).reshape(rows, -1), axis=1, keepdims=True)
 
 
-def _mx_call(x3, column, spec, rotation, sign_row, interpret):
+def _mx_call(x3, column, spec, rotation, sign_row, interpret, with_tops=False):
+    """Packed data and scales, (batch * rows, ...); with_tops adds per-tile row tops and NaN flags."""
     batch, r0, c0 = x3.shape
     out_rows, n = (c0, r0) if column else (r0, c0)
     multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
@@ -110,25 +123,35 @@ def _mx_call(x3, column, spec, rotation, sign_row, interpret):
         in_specs.append(pl.BlockSpec((1, tn), lambda b, i, j: (0, j)))
         args.append(sign_row)
     kernel = functools.partial(
-        _mx_kernel, column=column, spec=spec, rotation=rotation, has_signs=sign_row is not None
+        _mx_kernel,
+        column=column,
+        spec=spec,
+        rotation=rotation,
+        has_signs=sign_row is not None,
+        with_tops=with_tops,
     )
-    data, scale = pl.pallas_call(
+    out_specs = [
+        pl.BlockSpec((None, tr, tn // per_byte), lambda b, i, j: (b, i, j)),
+        pl.BlockSpec((None, tr, tn // spec.block_size), lambda b, i, j: (b, i, j)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, out_rows, n // per_byte), jnp.uint8),
+        jax.ShapeDtypeStruct((batch, out_rows, nb), jnp.uint8),
+    ]
+    if with_tops:
+        out_specs += [pl.BlockSpec((None, tr, 1), lambda b, i, j: (b, i, j))] * 2
+        out_shape += [jax.ShapeDtypeStruct((batch, out_rows, n // tn), jnp.int32)] * 2
+    outs = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, tr, tn // per_byte), lambda b, i, j: (b, i, j)),
-            pl.BlockSpec((None, tr, tn // spec.block_size), lambda b, i, j: (b, i, j)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, out_rows, n // per_byte), jnp.uint8),
-            jax.ShapeDtypeStruct((batch, out_rows, nb), jnp.uint8),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_params(tile),
         interpret=interpret,
         name="fused_rotate_quantize_mx",
     )(*args)
-    return data.reshape(batch * out_rows, -1), scale.reshape(batch * out_rows, -1)
+    return tuple(o.reshape(batch * out_rows, -1) for o in outs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,8 +253,73 @@ def _fold_call(x3, column, spec, rotation, sign_row, interpret):
     return data.reshape(batch * out_rows, n), row_exponent.reshape(-1), jnp.sum(flushed)
 
 
+# ----------------------------------------------------------------------------------------------------
+# out="fp8_fold" through the MX kernel: write E2M1 + scales + per-tile row tops, then fold row-wise
+
+
+def _fold_from_mx_kernel(data_ref, scale_ref, top_ref, nan_ref, out_ref, flushed_ref, *, block_size):
+    packed = data_ref[...].astype(jnp.int32)
+    rows = packed.shape[0]
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1, block_size)
+    scale = scale_ref[...].astype(jnp.int32).reshape(-1)
+    finite = scale != formats.SCALE_NAN_BITS
+    exponent = scale - formats.SCALE_BIAS
+    nonzero = finite & (jnp.max(codes & 0x7, axis=1) > 0)
+    nb = scale_ref.shape[1]
+    spread = lambda v: jnp.broadcast_to(v, (rows, nb)).reshape(rows * nb)  # noqa: E731
+    shift = fold.fold_shift(jnp.float8_e4m3fn)
+    folded, flushed = fq._fold_codes(
+        codes, exponent, nonzero, spread(top_ref[...]), spread(nan_ref[...] > 0), shift
+    )
+    out_ref[...] = folded.reshape(rows, -1).astype(jnp.uint8)
+    flushed_ref[...] = jnp.sum(flushed.astype(jnp.int32).reshape(rows, nb), axis=1, keepdims=True)
+
+
+def _fold_via_mx(x3, column, spec, rotation, sign_row, interpret):
+    data, scale, tops, nans = _mx_call(x3, column, spec, rotation, sign_row, interpret, with_tops=True)
+    top = jnp.max(tops, axis=1, keepdims=True)
+    top = jnp.where(top == fq._NO_BLOCK, 0, top)
+    nan_row = jnp.max(nans, axis=1, keepdims=True)
+    rows, n = data.shape[0], data.shape[1] * 2
+    tile = TILES["fold_from_mx", False]
+    tr, tn = _pick(rows, tile.rows, 1), _pick(n, tile.cols, spec.block_size)
+    grid = (rows // tr, n // tn)
+    folded, flushed = pl.pallas_call(
+        functools.partial(_fold_from_mx_kernel, block_size=spec.block_size),
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((tr, tn // 2), lambda i, j: (i, j)),
+            pl.BlockSpec((tr, tn // spec.block_size), lambda i, j: (i, j)),
+            pl.BlockSpec((tr, 1), lambda i, j: (i, 0)),
+            pl.BlockSpec((tr, 1), lambda i, j: (i, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((tr, tn), lambda i, j: (i, j)),
+            pl.BlockSpec((tr, 1), lambda i, j: (i, j)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, n), jnp.uint8),
+            jax.ShapeDtypeStruct((rows, n // tn), jnp.int32),
+        ],
+        compiler_params=_params(tile),
+        interpret=interpret,
+        name="fused_fold_from_mx",
+    )(data, scale, top, nan_row)
+    shift = fold.fold_shift(jnp.float8_e4m3fn)
+    row_exponent = jnp.where(nan_row[:, 0] > 0, 0, top[:, 0] - shift)
+    return folded, row_exponent, jnp.sum(flushed)
+
+
+# How each layout's fold runs: "two_pass" (one kernel, reads x twice, the second time mostly from L2)
+# or "via_mx" (the MX kernel, then a fold of its E2M1 output: 1.06 extra bytes per element, but the
+# column kernel keeps its small register footprint). benchmarks/bench_quantize.py --sweep times both.
+FOLD_METHOD = {False: "two_pass", True: "via_mx"}
+
+
 def rotate_quantize_3d(x3, column, spec, rotation, sign_row, out, interpret):
     """x3: (batch, rows, cols); returns fused_quantize's raw outputs (uint8 / int32 arrays)."""
     if out == "mx":
         return _mx_call(x3, column, spec, rotation, sign_row, interpret)
+    if FOLD_METHOD[column] == "via_mx":
+        return _fold_via_mx(x3, column, spec, rotation, sign_row, interpret)
     return _fold_call(x3, column, spec, rotation, sign_row, interpret)
