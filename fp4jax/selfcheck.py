@@ -168,6 +168,10 @@ def check_gemms(recipe: str, shape, backend_names, bound: float, on_gpu: bool) -
         ok &= agree
         detail = ", ".join(f"{n} {e:.2e}" for n, e in zip(("fprop", "dgrad", "wgrad"), errors, strict=True))
         print(f"{line}  max rel. error vs emulate: {detail}  (bound {bound:.0e}) {_verdict(agree)}")
+        if on_gpu and backend == "native":
+            text = fn.lower(x, w, dy).compile().as_text()
+            block_scaled = any(t in text for t in ("matmul$mx", "blockScaled", "block_scaled"))
+            print(f"           block-scaled library GEMM in the compiled program: {block_scaled}")
         if on_gpu and backend == "fp8":
             types = gemm_operand_types(fn.lower(x, w, dy).compile().as_text())
             fp8_gemms = sum(t.startswith("f8") for t in types)

@@ -159,6 +159,24 @@ def test_out_of_window_rule():
     assert int(out.flushed_blocks) == 2
 
 
+@pytest.mark.parametrize("scale_mode", ["floor", "even", "ceil"])
+@pytest.mark.parametrize("rounding", ["nearest_even", "stochastic"])
+def test_flushed_elements_are_below_2_to_minus_14_of_their_row(scale_mode, rounding):
+    """The documented bound: quantize_mx puts every non-zero block's largest element at >= 3 * 2^e, so a
+    flushed element (<= 6 * 2^(E - 15)) is at most 2^-14 of its row's largest element."""
+    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
+    blocks = jax.random.normal(k1, (64, 16, 32)) * jnp.exp2(jax.random.randint(k2, (64, 16, 1), -40, 1))
+    x = quantize_mx(blocks.reshape(64, 512), scale_mode=scale_mode, rounding=rounding, key=k3)
+    q, e = _as_numpy(x)
+    nonzero_max = np.abs(q.reshape(64, 16, 32)).max(axis=-1)
+    assert np.all(nonzero_max[nonzero_max > 0] >= 3)
+    _, _, flushed, mask = reference_fold(q, e, 32, 6)
+    assert flushed > 0
+    deq = np.abs(np.asarray(x.dequantize(), np.float64))
+    row_max = deq.max(axis=1, keepdims=True)
+    assert np.all(np.where(mask, deq, 0) <= 2.0**-14 * row_max)
+
+
 def test_nan_block_makes_nan_row_and_zero_row_has_exponent_zero():
     x = quantize_mx(jnp.zeros((3, 64)).at[1, 40].set(jnp.inf).at[2, 3].set(1.0))
     out = fold.fold_mx_to_fp8(x)
