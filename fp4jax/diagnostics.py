@@ -221,7 +221,15 @@ def quantized_output(a, c, gemm: GemmSpec, key) -> jax.Array:
 
 
 def reference_output(a, c) -> jax.Array:
-    """The high-precision GEMM: float32 operands, precision HIGHEST, float32 result."""
+    """The high-precision GEMM: the exact products of the operands, summed in float32.
+
+    Two bfloat16 operands (what the model's layers pass) multiply exactly in float32, so their GEMM with
+    float32 accumulation equals the float32 GEMM at precision HIGHEST up to summation order, and runs on
+    the bf16 matrix units instead of the far slower float32 path; other dtypes go through float32 at
+    precision HIGHEST.
+    """
+    if a.dtype == c.dtype == jnp.bfloat16:
+        return jnp.einsum("bmk,bnk->bmn", a, c, preferred_element_type=jnp.float32)
     return jnp.einsum(
         "bmk,bnk->bmn", a.astype(jnp.float32), c.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
@@ -429,18 +437,27 @@ def high_precision_layers(model_cfg: LlamaConfig) -> tuple[int, ...]:
     return tuple(i for start, stop, hp in block_segments(model_cfg) if hp for i in range(start, stop))
 
 
-def make_training_probe(model: Llama, recipe: str | Recipe, *, n_draws: int = 4):
+def make_training_probe(
+    model: Llama, recipe: str | Recipe, *, n_draws: int = 4, max_sequences: int | None = None
+):
     """probe(params, batch, key) -> {"diag/...": float32 scalar}: contract C, jitted, no side effects.
 
     params: the train state's params (scanned or not, boxed or not); batch: {"inputs", "targets"}
-    int32[B, T] (one micro-batch); key: a PRNG key for the recipe's random draws (ignored by
-    deterministic recipes). `float(v)` / `jax.device_get` turns the values into Python floats.
-    Costs one bf16 forward/backward plus, per linear layer, the three GEMMs in float32 and quantized
-    (n_draws more for GEMMs that draw random numbers).
+    int32[B, T] (one micro-batch; with `max_sequences`, only its first rows are used, which bounds the
+    cost); key: a PRNG key for the recipe's random draws (ignored by deterministic recipes).
+    `float(v)` / `jax.device_get` turns the values into Python floats.
+
+    Cost, in units of one bf16 GEMM of the batch per linear layer: the capture is a forward and a
+    backward without weight gradients (about 2, plus the remat recompute), then 3 reference and 3
+    quantized GEMMs, plus 2 x n_draws per randomised GEMM, plus the element-wise quantization passes.
     """
     model_cfg, recipe = model.config, get_recipe(recipe)
+    if max_sequences is not None and max_sequences < 1:
+        raise ValueError(f"max_sequences must be >= 1 or None, got {max_sequences}")
 
     def probe(params, batch, key):
+        if max_sequences is not None:
+            batch = {k: v[:max_sequences] for k, v in batch.items()}
         _, operands = capture_operands(model_cfg, params, batch)
         stats = model_stats(model_cfg, recipe, operands, key if recipe.needs_key else None, n_draws=n_draws)
         return summarize(stats, high_precision_layers(model_cfg))

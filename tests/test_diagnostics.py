@@ -254,3 +254,22 @@ def test_cli_rejects_an_unknown_recipe_in_one_line(tmp_path, capsys):
     assert diagnose.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope" in err[0]
+
+
+def test_params_restore_from_a_trainer_checkpoint(tmp_path, tiny):
+    import optax
+    import orbax.checkpoint as ocp
+
+    from fp4jax import diagnose
+    from fp4jax.training.state import TrainState
+
+    _, params, _ = tiny
+    state = TrainState(step=jnp.int32(5), params=params, opt_state=optax.adam(1e-3).init(params), fp8_meta={})
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "run" / "checkpoints" / "5" / "state", state)  # the trainer's layout
+    ckptr.wait_until_finished()
+    for path in ("run", "run/checkpoints", "run/checkpoints/5"):
+        restored = diagnose.restore_params(str(tmp_path / path))
+        jax.tree.map(np.testing.assert_array_equal, restored, params)
+    with pytest.raises(diagnose.UsageError, match="no checkpoint"):
+        diagnose.restore_params(str(tmp_path))
