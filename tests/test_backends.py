@@ -140,7 +140,11 @@ def test_native_shape_rule_and_fallback(a_shape, c_shape, block, fits):
     jaxpr = str(jax.make_jaxpr(lambda x, y: backends.matmul(x, y, backend="native"))(a, c))
     assert ("scaled_dot" in jaxpr) == fits
     got = np.asarray(matmul_jit(a, c, backend="native"))
-    np.testing.assert_array_equal(got, np.asarray(matmul_jit(a, c, backend="emulate")))
+    want = np.asarray(matmul_jit(a, c, backend="emulate"))
+    if jax.default_backend() == "cpu":  # exact float32 accumulation, same order
+        np.testing.assert_array_equal(got, want)
+    else:  # MX matrix cores / library GEMMs: reduced-precision partial sums
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 def test_native_takes_mxfp8_but_not_mixed_blocks():

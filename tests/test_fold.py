@@ -20,6 +20,10 @@ from fp4jax.ops.kernels import backends, fold
 # Jitted: on CPU, op-by-op dispatch of the quantizer costs far more than one compile per signature.
 quantize_mx = jax.jit(_quantize_mx, static_argnames=("axis", "elem", "block_size", "scale_mode", "rounding"))
 
+# On CPU every back end accumulates exactly in float32 (only the summation order differs). On a GPU the
+# FP8 tensor cores accumulate with reduced-precision partial sums: allow 1e-4 of the largest output there.
+ON_CPU = jax.default_backend() == "cpu"
+GPU_RTOL = 1e-4
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 SHIFT = {"e4m3fn": 6, "e4m3fnuz": 5}
 FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
@@ -239,6 +243,8 @@ def test_fp8_product_matches_emulate(fp8):
     got = np.asarray(fp8_matmul_jit(a, c, FP8[fp8]), np.float64)
     emulated = np.asarray(matmul_jit(a, c, backend="emulate"), np.float64)
     bound = _summation_bound(np.asarray(a.dequantize(), np.float64), np.asarray(c.dequantize(), np.float64))
+    if not ON_CPU:
+        bound = bound + GPU_RTOL * np.abs(emulated).max(axis=(1, 2), keepdims=True)
     assert np.all(np.abs(got - emulated) <= bound)
     assert np.all(bound < 1e-4 * np.abs(emulated).max(axis=(1, 2), keepdims=True) + np.abs(emulated))
 
@@ -256,7 +262,8 @@ def test_fp8_product_mx_times_per_tensor_fp8():
             bound = _summation_bound(
                 np.asarray(lhs.dequantize(), np.float64), np.asarray(rhs.dequantize(), np.float64)
             )
-            assert np.all(np.abs(got - emulated) <= bound + 1e-7 * np.abs(emulated))
+            slack = 1e-7 * np.abs(emulated) if ON_CPU else GPU_RTOL * np.abs(emulated).max()
+            assert np.all(np.abs(got - emulated) <= bound + slack)
 
 
 def test_fp8_backend_falls_back_for_unfoldable_operands():
@@ -307,4 +314,5 @@ def test_mx_dot_general_fp8_backend_matches_emulate(preset):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         # Same quantized operands, same products; only the float32 summation order may differ.
         scale = np.abs(want).max()
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale, err_msg=f"{preset} {name}")
+        rtol = 1e-5 if ON_CPU else GPU_RTOL
+        np.testing.assert_allclose(got, want, rtol=0, atol=rtol * scale, err_msg=f"{preset} {name}")
