@@ -226,7 +226,7 @@ def plot(results: dict, path: str, quantity: str = "out_rel_err") -> None:
         ax.set_ylim(floor, top)
         ax.set_title(f"{gemm}: {output}")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel(f"relative error vs float32 GEMM\n(bars at the axis: < {floor:.1e})")
+    axes[0].set_ylabel(f"relative error vs exact GEMM\n(bars at the axis: < {floor:.1e})")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     text = table(result["recipes"])
     print(
-        "relative error of each GEMM's output against the float32 (HIGHEST) GEMM of the same operands, "
+        "relative error of each GEMM's output against the exact-product float32 GEMM of the same operands, "
         f"mean over layers; {result['batches']} batch(es) of {result['batch']} x {result['seq_len']} tokens, "
         f"{result['data']} data; operands from one bf16 forward/backward\n{text}"
     )

@@ -10,8 +10,8 @@ Method (docs/diagnostics.md):
      scan_layers=False (same params, unstacked), so each block is its own module.
   2. Recompute. Each GEMM is re-run from those operands exactly as mx_dot_general runs it for the
      recipe's GemmSpec (pad, rotate both operands, quantize along the contraction axis, float32
-     accumulation, `emulate` back end), and compared with the float32 GEMM at precision HIGHEST of the
-     same unrotated operands:
+     accumulation, `emulate` back end), and compared with the exact GEMM of the same unrotated operands
+     (exact products summed in float32: `reference_output`):
 
         GEMM    operands (a, c)    contraction   output
         fprop   x, W               K             y  = x W
@@ -29,7 +29,8 @@ for FP8), exp_min / exp_max (block scale exponents of non-zero MX blocks), fold_
 fraction of non-zero blocks the Hopper FP8 fold would flush, contract B). For GEMMs that draw random
 numbers (stochastic rounding, random Hadamard signs), over n_draws draws: out_bias_rel = ||mean - ref||
 / ||ref||, out_bias_se = sqrt(sum var / n) / ||ref|| (the value out_bias_rel takes when the rounding is
-unbiased: the noise floor of the mean of n draws), out_var_rel = sum var / ||ref||^2.
+unbiased: the noise floor of the mean of n draws), out_bias_net = sqrt(max(out_bias_rel^2 -
+out_bias_se^2, 0)) (the bias with that noise floor removed), out_var_rel = sum var / ||ref||^2.
 
 Delayed FP8 scaling is measured with current scaling (the probe has no amax history).
 """
@@ -301,9 +302,12 @@ def _draw_stats(a, c, gemm: GemmSpec, key, ref, ref_sq, n_draws: int) -> dict[st
     (total, total_sq), _ = jax.lax.scan(body, (zeros, zeros), jnp.arange(n_draws))
     mean = total / n_draws
     var_sum = jnp.sum(jnp.maximum(total_sq - n_draws * jnp.square(mean), 0.0)) / (n_draws - 1)
+    bias_sq, noise_sq = _ratio(jnp.sum(jnp.square(mean)), ref_sq), _ratio(var_sum / n_draws, ref_sq)
     return {
-        "out_bias_rel": jnp.sqrt(_ratio(jnp.sum(jnp.square(mean)), ref_sq)),
-        "out_bias_se": jnp.sqrt(_ratio(var_sum / n_draws, ref_sq)),
+        "out_bias_rel": jnp.sqrt(bias_sq),
+        "out_bias_se": jnp.sqrt(noise_sq),
+        # E||mean - ref||^2 = ||bias||^2 + sum var / n: subtracting the noise leaves an unbiased estimate.
+        "out_bias_net": jnp.sqrt(jnp.maximum(bias_sq - noise_sq, 0.0)),
         "out_var_rel": _ratio(var_sum, ref_sq),
     }
 

@@ -91,6 +91,7 @@ def test_stochastic_rounding_is_unbiased_within_the_stated_standard_errors():
     assert stats["a_sat"] == 0 and stats["c_sat"] == 0
     assert stats["out_bias_se"] > 0 and stats["out_var_rel"] > 0
     assert stats["out_bias_rel"] <= BIAS_SIGMAS * stats["out_bias_se"]
+    assert stats["out_bias_net"] <= BIAS_SIGMAS * stats["out_bias_se"]
     # The bias estimate of an unbiased rounding is its noise floor: close to one standard error.
     assert stats["out_bias_rel"] == pytest.approx(stats["out_bias_se"], rel=0.5)
     # One draw's relative noise and the operand error agree in size with the spread of the draws.
@@ -102,6 +103,7 @@ def test_stochastic_rounding_bias_from_saturation_is_detected():
     stats = _sr_gemm_stats(1.625)
     assert stats["a_sat"] > 0
     assert stats["out_bias_rel"] > BIAS_SIGMAS * stats["out_bias_se"]
+    assert stats["out_bias_net"] == pytest.approx(stats["out_bias_rel"], rel=0.05)  # the noise is small
 
 
 def test_h16_lowers_operand_error_on_outlier_channels():
