@@ -4,11 +4,15 @@ CPU lane (the default, what CI runs): 8 fake CPU devices, so sharding is exercis
 GPU lane (`JAX_PLATFORMS=cuda` or `rocm`): the real devices as they are; XLA's GPU ops are made
 deterministic (scatter-adds otherwise use atomics, so the same run twice could differ in its last bits)
 and memory is allocated on demand, so that subprocesses a test starts can have some too.
+Both lanes: a persistent XLA compilation cache for the session (below).
 
 Everything here must be set before jax initialises its backends, hence at import time of conftest.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _ON_CPU = os.environ["JAX_PLATFORMS"].split(",")[0].strip() == "cpu"
@@ -25,6 +29,14 @@ if _ON_CPU:
 else:
     _add_xla_flag("xla_gpu_deterministic_ops", "true")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# Identical programs compile once per test session: many tests build the same tiny trainer (some in
+# subprocesses, which inherit the variable). A fresh directory each session, so that a clean clone's run is
+# what is timed; a directory the user set is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp4jax-tests-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 
