@@ -6,7 +6,8 @@
         [--layers 0,5,11] [--draws 8] [--out DIR] [--config.KEY=VALUE ...]
 
 Weights: the config's random init (the trainer's: seed config.seed) or, with --checkpoint, the params of
-a trainer checkpoint (a run directory, its checkpoints/ or one step's directory; the newest step).
+a trainer checkpoint (a run directory, its checkpoints/ or one step's directory; the newest step), read
+alone (no optimizer state).
 Batches: the first batches x batch windows of the validation stream of the config's data ("config"), of
 the bundled C4 sample ("bundled", the config's tokenizer), or uniform random tokens ("synthetic").
 For each batch, one bf16 forward/backward captures every linear layer's x, W and dy
@@ -99,12 +100,22 @@ def checkpoint_state_dir(path: str) -> str:
 
 
 def restore_params(path: str) -> dict:
-    """The params of a trainer checkpoint (the TrainState pytree saved by orbax), read without a target."""
+    """The params of a trainer checkpoint (the TrainState pytree saved by orbax), onto the first device.
+
+    Only the params are read (orbax partial restore, shapes from the checkpoint's own metadata), so an 8B
+    checkpoint's optimizer state never reaches host memory.
+    """
     state_dir = checkpoint_state_dir(path)
-    state = ocp.StandardCheckpointer().restore(state_dir)
-    if not isinstance(state, dict) or "params" not in state:
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(state_dir).item_metadata.tree
+    if not isinstance(tree, dict) or "params" not in tree:
         raise UsageError(f"{state_dir} holds no params: not a fp4jax train state")
-    return jax.tree.map(jnp.asarray, state["params"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = tree["params"]
+    item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), params)}
+    restore_args = {"params": jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=device), params)}
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    return checkpointer.restore(state_dir, args=args)["params"]
 
 
 def make_batches(config, tokenizer, data: str, *, n: int, batch: int, seq_len: int, vocab: int, seed: int):
