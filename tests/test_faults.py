@@ -86,6 +86,7 @@ def _truncate_without_manifest(step_dir):
 # ------------------------------------------------------------------------------------ checkpoints
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's failed reads
 @pytest.mark.parametrize(
     "inject, reason",
     [
@@ -101,7 +102,7 @@ def test_bad_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
 ):
     ckpts = run_copy / "checkpoints"
     inject(str(ckpts / "6"))
-    summary = trainer.train(tiny_config(token_cache, steps=7), str(run_copy))
+    summary = trainer.train(tiny_config(token_cache, steps=7), str(run_copy))  # the good run is finished at 6
     err = capsys.readouterr().err
     bad = [line for line in err.splitlines() if "is bad" in line]
     assert len(bad) == 1 and f"checkpoint {ckpts / '6'} is bad" in bad[0] and reason in bad[0], err
@@ -109,7 +110,7 @@ def test_bad_newest_checkpoint_is_set_aside_and_the_previous_one_restored(
     assert summary["resumed_from_step"] == 4 and summary["steps"] == 7
     moved = os.listdir(ckpts / integrity.QUARANTINE)
     assert len(moved) == 1 and moved[0].startswith("6-")  # kept aside, not deleted
-    assert compare(run_copy)[: len(compare(good_run))] == compare(good_run)  # as if never interrupted
+    assert compare(run_copy)[:7] == compare(good_run)  # steps 1-6 and the eval at 4: as if never broken
 
 
 def test_every_checkpoint_bad_is_one_line_and_exit_2(run_copy, token_cache, capsys):

@@ -16,7 +16,7 @@ def make_probe(config, model):
         return None
     from fp4jax.diagnostics import make_training_probe  # only runs that ask for it import it
 
-    probe = make_training_probe(model, config.recipe)
+    probe = make_training_probe(model, model.recipe)  # the Recipe it trains with (fp8_scaling applied)
     accum = config.grad_accum
 
     def first_micro_batch(params, batch, key):
