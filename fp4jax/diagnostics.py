@@ -162,23 +162,20 @@ def gemm_operands(ops: LayerOperands, gemm: str) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"unknown GEMM {gemm!r}: use one of {', '.join(GEMMS)}")
 
 
-def _prescale(spec: QuantSpec) -> float:
-    return getattr(spec, "prescale", 1.0)  # MX operands may be scaled by it before quantizing
-
-
 def _quantize(x: jax.Array, spec: QuantSpec, key):
     if spec.kind == "none":
         return x
     if spec.kind == "fp8":  # delayed scaling is measured with current scaling: no history here
         return quantize.quantize_fp8(x, elem=spec.elem)
     return quantize.quantize_mx(
-        x * _prescale(spec) if _prescale(spec) != 1 else x,
+        x,
         axis=-1,
         elem=spec.elem,
         block_size=spec.block_size,
         scale_mode=spec.scale_mode,
         rounding=spec.rounding,
         key=key,
+        prescale=spec.prescale,  # the block scale comes from x; the elements round prescale * x / 2^e
     )
 
 
@@ -187,7 +184,7 @@ def quantize_gemm(a: jax.Array, c: jax.Array, gemm: GemmSpec, key) -> tuple[Any,
 
     Mirrors mx_dot_general's per-GEMM step, key derivation included: `key` is the GEMM's key (the call
     key folded with GEMM_INDEX), split into (rotation, a, c). An unquantized operand is its own qa; a
-    prescaled MX operand quantizes prescale * a_used.
+    prescaled MX operand represents prescale * a_used.
     """
     pad = -a.shape[-1] % gemm.contraction_multiple
     if pad:
@@ -211,7 +208,7 @@ def _multiply(qa, qc, gemm: GemmSpec) -> jax.Array:
     plain = (gemm.lhs.kind == "none", gemm.rhs.kind == "none")
     precision = jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else None
     out = backends.matmul(qa, qc, backend=DIAG_BACKEND, precision=precision)
-    prescale = _prescale(gemm.lhs) * _prescale(gemm.rhs)
+    prescale = gemm.lhs.prescale * gemm.rhs.prescale
     return out / prescale if prescale != 1 else out
 
 
@@ -263,7 +260,7 @@ def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Arr
     flush and sat are fractions of the non-zero elements of `used`; exp_min / exp_max range over MX
     blocks holding a non-zero element (0 when there is none).
     """
-    used = used.astype(jnp.float32) * _prescale(spec)  # what was quantized
+    used = used.astype(jnp.float32) * spec.prescale  # what the elements represent
     deq = q.dequantize(jnp.float32)
     stats = _compare(deq, used)
     stats = {"rel_err": stats["rel_err"], "cos": stats["cos"]}
