@@ -1,11 +1,11 @@
 """Checkpoint integrity: a manifest of every file's size and CRC-32, written once orbax has finalised a
 step, and checked before that step is restored.
 
-Orbax has no checksum of its own (OCDBT and JSON files are read as they are, so bytes overwritten in place
-restore silently); the manifest catches a file that is missing, truncated, extended or changed. CRC-32
-(zlib) rather than SHA-256: it detects any burst of up to 32 flipped bits and random damage with
-probability 1 - 2^-32, which is what a checkpoint needs against disks and copies (not against an
-adversary), at 2 to 3 times SHA-256's speed (about 4 GB/s here, over several threads).
+Orbax restores an array file overwritten in place with random bytes of the same size without complaint
+(seen with orbax 0.12), and JSON items are read as they are; the manifest catches a file that is missing,
+truncated, extended or changed. CRC-32 (zlib) rather than SHA-256: it detects any burst of up to 32
+flipped bits and random damage with probability 1 - 2^-32, which is what a checkpoint needs against disks
+and copies (not against an adversary), at 2 to 3 times SHA-256's speed (about 4 GB/s per thread here).
 
 Layout: <checkpoints>/<step>/fp4jax_manifest.json = {"algorithm": "crc32", "files": {path: [size, crc]}},
 paths relative to the step directory. Bad checkpoints are moved (never deleted) to
