@@ -1,4 +1,4 @@
-"""Slow, independent numpy reference for fp4jax's numerics contract (DESIGN.md section 3).
+"""Slow, independent numpy reference for fp4jax's numerics contract (docs/numerics.md).
 
 Nothing here imports fp4jax: the reference is written from the contract with float64, Python ints and
 fractions, and ml_dtypes only to spell the storage bit patterns. It is deliberately simple and slow.

@@ -452,8 +452,8 @@ def test_stochastic_probability_resolution(p_hi):
 
 
 def test_stochastic_bits_differ_across_device_shards():
-    # Eight identical rows, one per device: each shard must draw its own bits (DESIGN.md: "different on
-    # every device shard"), and the result must not depend on the sharding.
+    # Eight identical rows, one per device: each shard must draw its own bits (docs/numerics.md: "every device
+    # shard gets its own"), and the result must not depend on the sharding.
     x = np.full((8, 32), 2.5, np.float32)
     x[:, 0] = 4.0
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("d",))

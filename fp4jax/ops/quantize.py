@@ -1,4 +1,4 @@
-"""MX block quantization, FP8 per-tensor quantization and the rounding modes (DESIGN.md §3).
+"""MX block quantization, FP8 per-tensor quantization and the rounding modes (docs/numerics.md).
 
 Exactness. Everything here is computed on float32 bit patterns wherever float arithmetic could be
 inexact: XLA's CPU back end flushes subnormals to zero (inputs and results), and `exp2` is not exact for
@@ -208,7 +208,7 @@ def quantize_mx(
     key: jax.Array | None = None,
     prescale: float = 1.0,
 ) -> MXArray:
-    """Quantizes x into MX blocks along `axis` (DESIGN.md §3, OCP MX v1.0).
+    """Quantizes x into MX blocks along `axis` (OCP MX v1.0; docs/numerics.md).
 
     Invariant: quantize_mx(x).dequantize() rounds each prescale * x / 2^e onto the element grid, with e
     the block's shared exponent chosen from x itself; a block holding NaN or +-Inf gets a NaN scale (and

@@ -1,4 +1,4 @@
-"""Hadamard rotations along a GEMM's contraction axis (DESIGN.md §3).
+"""Hadamard rotations along a GEMM's contraction axis (docs/numerics.md, "Rotations").
 
 A rotation of size g is the block-diagonal orthogonal matrix Q = diag(H_g diag(s), H_g diag(s), ...)
 acting on the contraction axis. Applied to both operands, it cancels in the product:
