@@ -1,7 +1,7 @@
 """Input-pipeline throughput on this machine versus what an 8-GPU MI355X node consumes.
 
     python benchmarks/bench_data.py                                   # the bundled C4 sample, GPT-2
-    python benchmarks/bench_data.py --path=/work/shared/data/pg_en --train_glob='pg_en-train.*.json.gz'
+    python benchmarks/bench_data.py --path=/path/to/pg_en --train_glob='pg_en-train.*.json.gz'
 
 Measures (1) cold tokenization into an empty cache (tokens/s), (2) the warm start (seconds until the first
 batch when the cache exists) and (3) the iterator's delivery rate from the cache (tokens/s of `inputs`).

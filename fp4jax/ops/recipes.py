@@ -1,4 +1,4 @@
-"""GEMM recipes: how each operand of each of a linear layer's three GEMMs is quantized (DESIGN.md §3).
+"""GEMM recipes: how each operand of each of a linear layer's three GEMMs is quantized (docs/numerics.md).
 
 For y = x W with tokens T, input features K and output features N:
 
