@@ -7,6 +7,7 @@ CPU devices of conftest.py (helpers: tiny_runs.py).
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -122,11 +123,21 @@ def test_run_lowers_loss_resumes_bit_identically_and_summarises(tmp_path, token_
     assert all("peak_memory_gb" not in r for r in records)  # CPU reports no memory statistics
 
 
-def test_target_reached_status_and_stop(tmp_path, token_cache):
+def test_target_reached_status_and_stop(tmp_path, token_cache, monkeypatch):
+    """Also: an update's time includes waiting for its results (here a device_get made 0.2 s slower)."""
+    device_get = jax.device_get
+
+    def slow_device_get(x):
+        time.sleep(0.2)
+        return device_get(x)
+
+    monkeypatch.setattr(jax, "device_get", slow_device_get)
     summary = train(tiny_config(token_cache, target_eval_loss=99.0, stop_at_target=True), str(tmp_path))
     assert summary["status"] == "reached" and summary["steps"] == summary["steps_to_target"] == 4
     assert summary["tokens_to_target"] == 4 * 8 * 32
     assert checkpoint.make_manager(str(tmp_path), keep=3).all_steps()[-1] == 4
+    times = [r["step_time_s"] for r in read_metrics(str(tmp_path)) if "step_time_s" in r]
+    assert len(times) == 4 and min(times) >= 0.2, times
 
 
 # ------------------------------------------------------------------------------ divergence and timing

@@ -202,7 +202,7 @@ def _run_updates(run: Run, writer, guard, signals, profiler):
         run.state, device_metrics = run.train_fn(run.state, batch, run.quant_key)
         data_state = run.train_iter.get_state()  # where a checkpoint of update `step` resumes reading
         batch = _next_batch(run) if step < run.last_step else None  # host work while the device runs
-        record = _fetch(run, step, device_metrics, timer.lap())
+        record = _fetch(run, step, device_metrics, timer)
         profiler.after(step)
         divergence = guard.check(step, record)
         writer.write({**record, **probe_record})
@@ -227,10 +227,11 @@ def _maybe_probe(run: Run, batch, step: int, timer) -> dict:
     return record
 
 
-def _fetch(run: Run, step: int, device_metrics, step_time: float) -> dict:
-    """Update `step`'s metrics line (waits for the update)."""
+def _fetch(run: Run, step: int, device_metrics, timer) -> dict:
+    """Update `step`'s metrics line: waits for the update, then takes its time."""
     config = run.config
     record = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    step_time = timer.lap()
     tokens_per_step = config.global_batch * config.seq_len
     record.update(
         step=step,
