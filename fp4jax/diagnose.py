@@ -44,7 +44,7 @@ from fp4jax.ops import get_recipe
 
 DATA_MODES = ("config", "bundled", "synthetic")
 INIT_KEY_SALT = 0  # the trainer's: params are initialised from fold_in(key(seed), 0)
-OUTPUTS = {"fprop": "y", "dgrad": "dx", "wgrad": "dW"}
+OUTPUTS = diag.OUTPUT_NAMES  # fprop: y, dgrad: dx, wgrad: dW
 
 
 class UsageError(ValueError):

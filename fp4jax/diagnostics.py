@@ -60,7 +60,6 @@ GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}  # mx_dot_general folds its key
 OPERAND_NAMES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
 OUTPUT_NAMES = {"fprop": "y", "dgrad": "dx", "wgrad": "dW"}
 LAYER_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
-OPERAND_QUANTITIES = ("rel_err", "cos", "flush", "sat", "exp_min", "exp_max", "fold_flush")
 DIAG_BACKEND = "emulate"  # the reference numerics; `native` is tested equal to it
 
 _OPERANDS = "diag_operands"  # sown x and W
@@ -126,7 +125,7 @@ def capture_operands(model_cfg: LlamaConfig, params: Any, batch: dict) -> tuple[
 
     shapes = jax.eval_shape(run, None)[1][_COTANGENTS]
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    loss, vjp, sown = jax.vjp(lambda c: run(c), zeros, has_aux=True)
+    loss, vjp, sown = jax.vjp(run, zeros, has_aux=True)
     (cotangents,) = vjp(jnp.ones_like(loss))
     return loss, _group_by_layer(sown[_OPERANDS], cotangents)
 
