@@ -122,6 +122,7 @@ def test_every_checkpoint_bad_is_one_line_and_exit_2(run_copy, token_cache, caps
     assert len(os.listdir(run_copy / "checkpoints" / integrity.QUARANTINE)) == 3
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's cut-off writes
 def test_full_disk_names_the_checkpoint_and_keeps_the_previous_one(
     run_copy, token_cache, capsys, monkeypatch
 ):

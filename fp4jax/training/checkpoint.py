@@ -17,6 +17,7 @@ import functools
 import os
 import shutil
 import sys
+import time
 
 import jax
 import numpy as np
@@ -94,7 +95,7 @@ class _disk_full_as_error:
         if exc is None or not isinstance(exc, Exception) or not _is_disk_full(exc):
             return False
         directory = str(self.manager.directory)
-        failed = integrity.remove_orbax_tmp_dirs(directory) if jax.process_index() == 0 else []
+        failed = _remove_failed_save(self.manager) if jax.process_index() == 0 else []
         name = os.path.join(directory, failed[0].split(".")[0]) if failed else directory
         steps = integrity.step_dirs(directory)
         kept = f"checkpoint {steps[max(steps)]} is intact" if steps else "there is no earlier checkpoint"
@@ -104,6 +105,24 @@ class _disk_full_as_error:
             f"{self.needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; {kept}; free space or lower "
             "--config.keep_checkpoints"
         ) from exc
+
+
+def _remove_failed_save(manager) -> list[str]:
+    """Removes the temporary directory of a failed save; returns its name(s). orbax's threads of that save
+    may still write into it after the error surfaced, so the manager is closed first and the removal is
+    repeated until the directory stays gone (the next start removes any that is left)."""
+    try:
+        manager.close()
+    except Exception:  # the save's own error, raised again
+        pass
+    removed = []
+    for _ in range(20):
+        names = integrity.remove_orbax_tmp_dirs(str(manager.directory))
+        removed += [n for n in names if n not in removed]
+        if removed and not names:
+            break
+        time.sleep(0.25)
+    return removed
 
 
 def _is_disk_full(exc: BaseException) -> bool:
