@@ -4,10 +4,12 @@ the start-up log, and the native path's shape rule with its fallback (on CPU, eq
 import types
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp4jax.ops import quantize_fp8
 from fp4jax.ops import quantize_mx as _quantize_mx
 from fp4jax.ops.kernels import backends
 
@@ -70,12 +72,25 @@ def fresh_auto(monkeypatch):
     backends._auto_choice.cache_clear()
 
 
-def test_auto_on_this_cpu_logs_once(fresh_auto, capsys):
+def test_auto_on_a_cpu_logs_once(fresh_auto, capsys):
+    """On a (mocked) CPU device auto means emulate, and says so once per process, whatever runs the test."""
     fresh_auto.delenv(backends.ENV_VAR, raising=False)
+    fresh_auto.setattr(jax, "devices", lambda *a: [_device("cpu", "cpu")])
     assert backends.resolve_backend("auto") == "emulate"
     assert backends.resolve_backend("auto") == "emulate"
     err = capsys.readouterr().err
     assert err.count("fp4jax: GEMM back end emulate (auto: cpu") == 1
+
+
+@pytest.mark.skipif(
+    backends.describe_device().vendor != "nvidia" or not backends.describe_device().arch.startswith("9."),
+    reason="needs an NVIDIA GPU of compute capability 9.x (Hopper)",
+)
+def test_auto_picks_fp8_on_this_hopper(fresh_auto, capsys):
+    """The real device: Hopper (H100, H200) runs MX GEMMs on the fp8 back end."""
+    fresh_auto.delenv(backends.ENV_VAR, raising=False)
+    assert backends.resolve_backend("auto") == "fp8"
+    assert "fp4jax: GEMM back end fp8 (auto: NVIDIA" in capsys.readouterr().err
 
 
 def test_auto_uses_the_mocked_device(fresh_auto, capsys):
@@ -151,3 +166,92 @@ def test_native_takes_mxfp8_but_not_mixed_blocks():
     a, c = _mx((1, 32, 256), 1, elem="e4m3"), _mx((1, 16, 256), 2, elem="e4m3")
     assert backends.native_supports(a, c)
     assert not backends.native_supports(_mx((1, 32, 256), 1), _mx((1, 16, 256), 2, block=16))
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 x FP8 accumulation: precise (promoted to float32) on NVIDIA GPUs
+
+
+def _dot_precisions(fn, *args) -> list:
+    """The `precision` of every dot_general in fn's jaxpr (nested jaxprs included)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(eqn.params["precision"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def _fp8_pair():
+    ka, kc = jax.random.split(jax.random.key(3))
+    a = quantize_fp8(jax.random.normal(ka, (1, 16, 64)))
+    c = quantize_fp8(jax.random.normal(kc, (1, 8, 64)), elem="e5m2")
+    return a, c
+
+
+def _fp8_gemms():
+    a, c = _fp8_pair()
+    mx = _mx((1, 16, 64), 4)
+    return [
+        _dot_precisions(lambda x, y: backends.matmul(x, y, backend="emulate"), a, c),
+        _dot_precisions(lambda x, y: backends.matmul(x, y, backend="fp8"), mx, _mx((1, 8, 64), 5)),
+        _dot_precisions(lambda x, y: backends.matmul(x, y, backend="fp8"), mx, c),
+    ]
+
+
+def test_fp8_dots_ask_for_precise_accumulation_on_nvidia_gpus(monkeypatch):
+    """With the platform mocked as an NVIDIA GPU, every FP8 x FP8 dot the library traces carries
+    DotAlgorithmPreset.ANY_F8_ANY_F8_F32 (not the FAST_ACCUM one); MX x bf16-emulated dots do not."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_device("cuda", "NVIDIA H200", "9.0")])
+    preset = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
+    for precisions in _fp8_gemms():
+        assert precisions == [preset], precisions
+    mx = _mx((1, 16, 64), 4)
+    emulated = _dot_precisions(lambda x, y: backends.matmul(x, y, backend="emulate"), mx, mx)
+    assert emulated == [None]
+
+
+ELSEWHERE = [("cpu", _device("cpu", "cpu")), ("gpu", _device("rocm", "AMD Instinct MI300X", "gfx942"))]
+
+
+@pytest.mark.parametrize("platform, device", ELSEWHERE)
+def test_fp8_dots_elsewhere_are_plain(monkeypatch, platform, device):
+    """CPU (which rejects the preset) and ROCm keep the plain FP8 dot_general."""
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(jax, "devices", lambda *a: [device])
+    for precisions in _fp8_gemms():
+        assert precisions == [None], precisions
+
+
+def test_concrete_operands_decide_the_platform(monkeypatch):
+    """Outside jit the operands' own devices decide (here the CPU), not the default backend."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x = jax.device_put(jnp.zeros((2,), E4M3), jax.local_devices(backend="cpu")[0])
+    assert backends.fp8_dot_precision(x, x) is None
+
+
+@pytest.mark.skipif(backends.describe_device().vendor != "nvidia", reason="needs an NVIDIA GPU")
+def test_fp8_accumulation_is_promoted_to_float32_on_this_gpu():
+    """Swamping probe: one product of 448 * 448 (~2^17.6) first, then 4095 products of 2^-4. A tensor-core
+    accumulator of 13-14 fraction bits near 2^17.6 has a unit in the last place of 8-16, so without
+    promotion (fast accumulation) every later product (and every MMA step's sum of them, 2 per 32) is lost:
+    the result stays 200704. With promotion to float32 every few MMA steps only the first interval's small
+    products can be lost (at most a few hundred), so at least half of the 4095 * 2^-4 = 255.9 survives."""
+    k = 4096
+    a = np.full((1, 16, k), 0.25, np.float32)
+    a[:, :, 0] = 448.0
+    c = np.full((1, 16, k), 0.25, np.float32)
+    c[:, :, 0] = 448.0
+    one = jnp.float32(1.0)
+    fa = backends.FP8Array(jnp.asarray(a, E4M3), one)
+    fc = backends.FP8Array(jnp.asarray(c, E4M3), one)
+    got = np.asarray(matmul_jit(fa, fc, backend="emulate"), np.float64)
+    exact = 448.0 * 448.0 + (k - 1) * 0.0625
+    assert np.all(got - 448.0 * 448.0 > 0.5 * (k - 1) * 0.0625), (got.min(), exact)
+    assert np.all(got <= exact)

@@ -14,6 +14,11 @@ Every back end computes out[b, m, n] = sum_k a[b, m, k] * c[b, n, k] in float32 
   types), the row exponents applied to its result. Also MX x FP8Array. MX operands with E4M3/E5M2
   elements do not fold exactly into one E4M3 grid per row in general: those GEMMs run as in `emulate`.
 - `auto`: chosen from the device (`choose_backend`), or from the environment variable FP4JAX_GEMM_BACKEND.
+
+Every FP8 x FP8 dot_general emitted here (emulate's FP8Array x FP8Array, the fp8 back end's folded GEMM)
+asks for precise float32 accumulation on NVIDIA GPUs (`fp8_dot_precision`): with no algorithm and DEFAULT
+precision, XLA runs FP8 GEMMs with cuBLASLt's fast accumulation (no promotion of the tensor cores' partial
+sums to float32) and its Triton FP8 dots likewise. See docs/numerics.md.
 """
 
 from __future__ import annotations
@@ -165,6 +170,36 @@ def resolve_backend(backend: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
+# FP8 x FP8 accumulation
+
+
+def _platform_of(operands) -> str:
+    """The platform these operands run on: that of a concrete operand's devices, else the default backend
+    (under jit the operands are tracers; the program is lowered for the default backend unless told
+    otherwise)."""
+    for x in operands:
+        try:
+            return next(iter(x.devices())).platform
+        except Exception:  # a tracer (ConcretizationTypeError) or not an array: look further
+            continue
+    return jax.default_backend()
+
+
+def fp8_dot_precision(*operands):
+    """The `precision` for an FP8 x FP8 dot_general on the platform of `operands`, checked at trace time.
+
+    On NVIDIA GPUs: DotAlgorithmPreset.ANY_F8_ANY_F8_F32, i.e. float32 accumulation with the tensor cores'
+    partial sums promoted to float32 (cuBLASLt without CUBLASLT_MATMUL_DESC_FAST_ACCUM). Without it, XLA
+    turns on fast accumulation for every FP8 GEMM of DEFAULT precision. Elsewhere: None, the plain dot
+    (the CPU back end rejects the preset; it accumulates in float32 anyway; ROCm is left as it was).
+    """
+    platform = _platform_of(operands)
+    if platform in ("gpu", "cuda") and describe_device().vendor == "nvidia":
+        return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
 # emulate
 
 
@@ -182,7 +217,9 @@ def _emulate(a, c, precision) -> jax.Array:
     both_fp8 = isinstance(a, FP8Array) and isinstance(c, FP8Array)
     a_values, a_scale = _emulate_input(a, both_fp8)
     c_values, c_scale = _emulate_input(c, both_fp8)
-    if not both_fp8:
+    if both_fp8:
+        precision = fp8_dot_precision(a_values, c_values) or precision
+    else:
         dtype = jnp.promote_types(a_values.dtype, c_values.dtype)
         a_values, c_values = a_values.astype(dtype), c_values.astype(dtype)
     out = jax.lax.dot_general(
@@ -276,7 +313,10 @@ def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn) -> jax.Array:
     """
     a_data, a_exp, a_mult = _fold_or_fp8(a, fp8_dtype)
     c_data, c_exp, c_mult = _fold_or_fp8(c, fp8_dtype)
-    out = jax.lax.dot_general(a_data, c_data, _BMK_BNK, preferred_element_type=jnp.float32)
+    precision = fp8_dot_precision(a_data, c_data)  # precise float32 accumulation on NVIDIA GPUs
+    out = jax.lax.dot_general(
+        a_data, c_data, _BMK_BNK, precision=precision, preferred_element_type=jnp.float32
+    )
     exponent = jnp.zeros((), jnp.int32)
     if a_exp is not None:
         exponent = exponent + a_exp[:, :, None]
