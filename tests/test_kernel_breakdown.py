@@ -1,0 +1,45 @@
+"""benchmarks/kernel_breakdown.py on a synthetic Perfetto trace: GPU events only, summed by category."""
+
+import gzip
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("kb", os.path.join(ROOT, "benchmarks", "kernel_breakdown.py"))
+kb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kb)
+
+
+def _trace(tmp_path):
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_e4m3e4m3_f32", "dur": 3000.0},
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_bf16bf16_f32", "dur": 2000.0},
+        {"ph": "X", "pid": 1, "name": "cudnn_flash_fprop", "dur": 1000.0},
+        {"ph": "X", "pid": 1, "name": "loop_multiply_fusion", "dur": 500.0},
+        {"ph": "X", "pid": 1, "name": "loop_multiply_fusion", "dur": 500.0},
+        {"ph": "X", "pid": 1, "name": "mystery", "dur": 250.0},
+        {"ph": "X", "pid": 2, "name": "PjitFunction(train_step)", "dur": 99999.0},  # host: ignored
+    ]
+    folder = tmp_path / "profile" / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return tmp_path / "profile"
+
+
+def test_breakdown_sums_gpu_kernels_by_category(tmp_path):
+    by_cat, kernels = kb.breakdown(kb.load_events(str(_trace(tmp_path))))
+    assert by_cat == {
+        "fp8 gemm": 3.0,
+        "gemm": 2.0,
+        "attention": 1.0,
+        "elementwise fusion": 1.0,
+        "other": 0.25,
+    }
+    assert kernels[0] == ("sm90_xmma_gemm_e4m3e4m3_f32", 3.0, 1)
+    assert ("loop_multiply_fusion", 1.0, 2) in kernels
+    table = kb.to_markdown(by_cat, kernels, steps=2, top=3)
+    assert "| fp8 gemm | 1.50 | 41.4% |" in table
