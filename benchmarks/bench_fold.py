@@ -2,9 +2,17 @@
 whether the compiled program really runs the GEMMs on FP8 operands. One process, about 2 minutes on an H200.
 
     PYTHONPATH=. python benchmarks/bench_fold.py [--shapes 16384x4096x14336,8192x8192x8192] [--out FILE.md]
+        [--only SUBSTRING,...] [--skip-checks]
+
+Every variant is lowered and compiled first, its compile time printed (and flushed) before it is timed:
+on a GPU a slow compile (e.g. XLA autotuning Triton GEMM configurations of a fused FP8 dot) shows up
+as such instead of as a silent wait. Try XLA_FLAGS=--xla_gpu_enable_triton_gemm=false to compare.
 
 Per shape M x K x N (x[M, K] @ w[K, N], forward + both gradients, TFLOP/s over 3 GEMMs of 2*M*N*K):
-- `xla fp8 dot x3 (pre-quantized)`: three plain E4M3 dots of operands cast once outside: the ceiling.
+- `xla fp8 dot x3 (pre-quantized)`: three plain E4M3 dots of operands cast once outside: the ceiling,
+  with the accumulation the library asks for (precise float32 on NVIDIA: backends.fp8_dot_precision).
+- `xla fp8 dot x3 (no algorithm: fast accum)`: the same dots without an algorithm, which XLA runs with
+  cuBLASLt's fast accumulation on NVIDIA: what precise accumulation costs.
 - `fp8 GEMMs x3 (pre-folded MXFP4)`: the fp8 back end's three GEMMs (FP8 dot + exponent epilogue) on
   operands quantized and folded once outside: the back end with quantization excluded.
 - `mx_dot <recipe> <backend> fwd+bwd`: the whole quantized layer, quantization included.
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import statistics
 import sys
 import time
@@ -54,12 +63,14 @@ def _operands(m, k, n):
     return x, w, dy
 
 
-def plain_fp8_fwd_bwd():
-    """Three E4M3 dots of pre-cast operands, as (batch, rows, K) x (batch, cols, K): the hardware ceiling."""
+def plain_fp8_fwd_bwd(library_precision: bool = True):
+    """Three E4M3 dots of pre-cast operands, as (batch, rows, K) x (batch, cols, K): the hardware ceiling.
+    library_precision: the precision the library's FP8 dots carry (else none: XLA's default)."""
 
     def run(x8, wt8, dy8, w8, xt8, dyt8):
+        precision = backends.fp8_dot_precision(x8) if library_precision else None
         dot = lambda a, c: jax.lax.dot_general(
-            a, c, backends._BMK_BNK, preferred_element_type=jnp.float32
+            a, c, backends._BMK_BNK, precision=precision, preferred_element_type=jnp.float32
         ).astype(jnp.bfloat16)
         return dot(x8, wt8), dot(dy8, w8), dot(xt8, dyt8)
 
@@ -93,7 +104,10 @@ def prefolded_fp8_gemms():
 
     def mm(a, c):
         (a_data, a_exp), (c_data, c_exp) = a, c
-        out = jax.lax.dot_general(a_data, c_data, backends._BMK_BNK, preferred_element_type=jnp.float32)
+        precision = backends.fp8_dot_precision(a_data, c_data)  # as backends.fp8_matmul
+        out = jax.lax.dot_general(
+            a_data, c_data, backends._BMK_BNK, precision=precision, preferred_element_type=jnp.float32
+        )
         return fold.apply_exponents(out, a_exp[:, :, None] + c_exp[:, None, :]).astype(jnp.bfloat16)
 
     def run(a1, c1, a2, c2, a3, c3):
@@ -142,23 +156,49 @@ def check_hlo(x, w, dy, recipe: str, dump: str) -> tuple[bool, str]:
     )
 
 
-def run(shapes, iters: int, recipes, dump: str):
+def compile_variant(name: str, fn, args):
+    """fn lowered and compiled for args, with the seconds each took (printed at once)."""
+    start = time.perf_counter()
+    lowered = fn.lower(*args)
+    lowered_s = time.perf_counter() - start
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start - lowered_s
+    print(f"  compile {name}: lower {lowered_s:.1f} s, compile {compile_s:.1f} s", flush=True)
+    return compiled, compile_s
+
+
+def run(shapes, iters: int, recipes, dump: str, only=(), checks: bool = True):
     rows, notes, ok = [], [], True
     for m, k, n in shapes:
         x, w, dy = _operands(m, k, n)
         flops = 3 * 2 * m * n * k
         variants = {
-            "xla fp8 dot x3 (pre-quantized)": (plain_fp8_fwd_bwd(), plain_fp8_operands(x, w, dy)),
-            "fp8 GEMMs x3 (pre-folded MXFP4)": (prefolded_fp8_gemms(), prefolded_operands(x, w, dy)),
+            "xla fp8 dot x3 (pre-quantized)": (plain_fp8_fwd_bwd, plain_fp8_operands),
+            "xla fp8 dot x3 (no algorithm: fast accum)": (
+                lambda: plain_fp8_fwd_bwd(library_precision=False),
+                plain_fp8_operands,
+            ),
+            "fp8 GEMMs x3 (pre-folded MXFP4)": (prefolded_fp8_gemms, prefolded_operands),
         }
         for recipe in recipes:
             for backend in ("emulate", "fp8"):
-                variants[f"mx_dot {recipe} {backend} fwd+bwd"] = (layer(recipe, backend), (x, w, dy))
-        for name, (fn, args) in variants.items():
-            seconds = _time(fn, *args, iters=iters)
-            rows.append((f"{m}x{k}x{n}", name, seconds * 1e3, flops / seconds / 1e12))
-            print(f"{m}x{k}x{n}  {name:44s} {seconds * 1e3:9.3f} ms  {rows[-1][3]:8.1f} TFLOP/s", flush=True)
-        if (m, k, n) == shapes[0]:
+                variants[f"mx_dot {recipe} {backend} fwd+bwd"] = (
+                    functools.partial(layer, recipe, backend),
+                    lambda x, w, dy: (x, w, dy),
+                )
+        for name, (make_fn, make_args) in variants.items():
+            if only and not any(o in name for o in only):
+                continue
+            args = make_args(x, w, dy)
+            compiled, compile_s = compile_variant(name, make_fn(), args)
+            seconds = _time(compiled, *args, iters=iters)
+            rows.append((f"{m}x{k}x{n}", name, compile_s, seconds * 1e3, flops / seconds / 1e12))
+            print(
+                f"{m}x{k}x{n}  {name:44s} compile {compile_s:6.1f} s  {seconds * 1e3:9.3f} ms  "
+                f"{rows[-1][4]:8.1f} TFLOP/s",
+                flush=True,
+            )
+        if (m, k, n) == shapes[0] and checks:
             flushed = [int(fold.count_fold_flushes(q)) for q in mx_operands(x, w, dy)]
             notes.append(f"fold flushes on these random operands (6 operands): {flushed}")
             for check in (check_agreement(x, w, dy, recipes[0]), check_hlo(x, w, dy, recipes[0], dump)):
@@ -175,10 +215,10 @@ def to_markdown(rows, notes, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        "| M x K x N | variant (forward + both gradients) | median ms | TFLOP/s |",
-        "|---|---|---:|---:|",
+        "| M x K x N | variant (forward + both gradients) | compile s | median ms | TFLOP/s |",
+        "|---|---|---:|---:|---:|",
     ]
-    lines += [f"| {shape} | {name} | {ms:.3f} | {tf:.1f} |" for shape, name, ms, tf in rows]
+    lines += [f"| {shape} | {name} | {cs:.1f} | {ms:.3f} | {tf:.1f} |" for shape, name, cs, ms, tf in rows]
     lines += [""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
@@ -190,11 +230,14 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument("--dump-hlo", default="", help="write the compiled fp8 fwd+bwd HLO text here")
+    parser.add_argument("--only", default="", help="run only variants whose name contains one of these")
+    parser.add_argument("--skip-checks", action="store_true", help="no agreement / HLO checks (3 compiles)")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     recipes = args.recipes.split(",")
-    rows, notes, ok = run(shapes, args.iters, recipes, args.dump_hlo)
-    table = to_markdown(rows, notes, "python benchmarks/bench_fold.py --shapes " + args.shapes)
+    only = tuple(o for o in args.only.split(",") if o)
+    rows, notes, ok = run(shapes, args.iters, recipes, args.dump_hlo, only, checks=not args.skip_checks)
+    table = to_markdown(rows, notes, "python benchmarks/bench_fold.py " + " ".join(sys.argv[1:]))
     if args.out:
         with open(args.out, "w") as f:
             f.write(table)
