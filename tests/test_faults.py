@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from tiny_runs import (
@@ -239,8 +240,9 @@ def _bad_record_dir(tmp_path):
         ("--config.no_such_key=1", "unknown config key --config.no_such_key"),
         ("--config.steps=abc", "--config.steps=abc"),
         ("--config.recipe=mxfp5", "unknown recipe 'mxfp5'"),
-        ("--config.mesh.tensor=3", "does not fit 8 devices"),
+        ("--config.mesh.tensor=3", "does not fit {devices} devices"),
         ("--config.global_batch=12", "global batch 12 is not divisible"),
+        ("--config.grad_accum=5", "global_batch 8 is not divisible by grad_accum 5"),
         ("--config.data.path=/no/such/dir", "/no/such/dir does not exist; set --config.data.path"),
         ("--config.data.path={empty}", "set --config.data.path"),
         ("--config.data.path={bad}", "set --config.data.on_bad_record=skip"),
@@ -252,6 +254,9 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(override, message, tmp_path,
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("no data here")
     override = override.format(empty=tmp_path / "empty", bad=_bad_record_dir(tmp_path))
+    message = message.format(devices=jax.device_count())  # 8 fake CPU devices, or the GPUs present
+    if override == "--config.global_batch=12" and 12 % jax.device_count() == 0:
+        pytest.skip(f"12 sequences split evenly over {jax.device_count()} devices: nothing to reject")
     argv = ["fp4jax.train", "--config", os.path.join(ROOT, "configs", "tiny_c4_h16.py")]
     argv += ["--workdir", str(tmp_path / "run"), f"--config.data.cache_dir={tmp_path / 'cache'}", override]
     assert cli.main(argv) == 2
