@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import statistics
 import sys
 import time
 
+import harness  # benchmarks/harness.py: timing, headings, output (this folder is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,17 +41,6 @@ from fp4jax.selfcheck import gemm_operand_types
 
 DIMS = (((1,), (0,)), ((), ()))  # x[M, K] @ w[K, N]
 BOUND = 1e-4
-
-
-def _time(fn, *args, iters: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _operands(m, k, n):
@@ -191,7 +179,7 @@ def run(shapes, iters: int, recipes, dump: str, only=(), checks: bool = True):
                 continue
             args = make_args(x, w, dy)
             compiled, compile_s = compile_variant(name, make_fn(), args)
-            seconds = _time(compiled, *args, iters=iters)
+            seconds = harness.median_seconds(compiled, [args], iters)
             rows.append((f"{m}x{k}x{n}", name, compile_s, seconds * 1e3, flops / seconds / 1e12))
             print(
                 f"{m}x{k}x{n}  {name:44s} compile {compile_s:6.1f} s  {seconds * 1e3:9.3f} ms  "
@@ -209,9 +197,8 @@ def run(shapes, iters: int, recipes, dump: str, only=(), checks: bool = True):
 
 
 def to_markdown(rows, notes, command: str) -> str:
-    device, today = jax.devices()[0], datetime.date.today().isoformat()
     lines = [
-        f"### fp8 back end on {device.device_kind} ({today}, jax {jax.__version__})",
+        harness.heading("fp8 back end"),
         "",
         f"Command: `{command}`",
         "",

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import statistics
-import time
 
+import harness  # benchmarks/harness.py: timing, headings, output (this folder is on sys.path)
 import jax
 import jax.numpy as jnp
 
@@ -23,19 +21,6 @@ from fp4jax.ops import get_recipe, mx_dot_general
 
 DIMS = (((1,), (0,)), ((), ()))  # x[M, K] @ w[K, N]
 PRESETS = ("bf16", "fp8", "mxfp4_fprop", "mxfp4_full", "mxfp4_full_h16", "mxfp4_full_sr", "mxfp8")
-
-
-def _time(fn, *args, iters: int) -> float:
-    out = fn(*args)
-    jax.block_until_ready(out)
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _baselines(x, w):
@@ -81,7 +66,7 @@ def run(shapes, iters: int, backends=("auto",)) -> list[tuple[str, str, float, f
         for backend in backends:
             variants.update(_mx_variants(x, w, dy, kq, backend))
         for name, (fn, args, gemms) in variants.items():
-            seconds = _time(fn, *args, iters=iters)
+            seconds = harness.median_seconds(fn, [args], iters)
             tflops = gemms * 2 * m * n * k / seconds / 1e12
             rows.append((f"{m}x{k}x{n}", name, seconds * 1e3, tflops))
             print(f"{m}x{k}x{n}  {name:40s} {seconds * 1e3:9.3f} ms  {tflops:8.1f} TFLOP/s", flush=True)
@@ -89,9 +74,8 @@ def run(shapes, iters: int, backends=("auto",)) -> list[tuple[str, str, float, f
 
 
 def to_markdown(rows, command: str) -> str:
-    device = jax.devices()[0]
     lines = [
-        f"### GEMMs on {device.device_kind} ({datetime.date.today().isoformat()}, jax {jax.__version__})",
+        harness.heading("GEMMs"),
         "",
         f"Command: `{command}`",
         "",
@@ -112,11 +96,7 @@ def main():
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = run(shapes, args.iters, tuple(args.backends.split(",")))
     command = f"python benchmarks/bench_gemm.py --shapes {args.shapes} --backends {args.backends}"
-    table = to_markdown(rows, command)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
-    print(table)
+    harness.emit(to_markdown(rows, command), args.out)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,9 @@ differently, so H16 rows may differ in a few elements; rows without rotation mus
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
-import time
 import traceback
 
+import harness  # benchmarks/harness.py: timing, headings, output (this folder is on sys.path)
 import jax
 import jax.numpy as jnp
 
@@ -92,18 +90,6 @@ def _same(a, b) -> bool:
     return all(x.shape == y.shape and bool(jnp.all(x == y)) for x, y in pairs)
 
 
-def _time(fn, inputs, iters: int) -> float:
-    for x in inputs:
-        jax.block_until_ready(fn(x))
-    times = []
-    for i in range(iters):
-        x = inputs[i % len(inputs)]
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _io_bytes(m: int, k: int, out: str) -> int:
     read = 2 * m * k
     written = m * k // 2 + m * k // 32 if out == "mx" else m * k + 4 * m + 4
@@ -112,7 +98,7 @@ def _io_bytes(m: int, k: int, out: str) -> int:
 
 def _copy_ceiling(inputs, iters: int) -> tuple[float, float]:
     """(seconds, TB/s) of a bf16 x * 2: reads and writes 2 bytes per element."""
-    seconds = _time(jax.jit(lambda x: x * 2), inputs, iters)
+    seconds = harness.median_seconds(jax.jit(lambda x: x * 2), [(x,) for x in inputs], iters)
     return seconds, 4 * inputs[0].size / seconds / 1e12
 
 
@@ -144,7 +130,7 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters):
     candidates["pallas"] = _fused_fn(axis, rotation, out, "pallas")
     for impl, fn in candidates.items():
         try:
-            seconds = _time(fn, inputs, iters)
+            seconds = harness.median_seconds(fn, [(x,) for x in inputs], iters)
             result = fn(inputs[0])
             same = "-" if impl == "reference" else ("yes" if _same(result, same_rotation) else "NO")
             differ = f"{_differ_fraction(result, literal):.2e}"
@@ -173,7 +159,7 @@ SWEEP = {
 
 def _time_candidate(fn, inputs, want, m, k, out, iters):
     try:
-        seconds = _time(fn, inputs, iters)
+        seconds = harness.median_seconds(fn, [(x,) for x in inputs], iters)
         same = "yes" if _same(fn(inputs[0]), want) else "NO"
         return seconds, _io_bytes(m, k, out) / seconds / 1e12, same
     except Exception as e:
@@ -208,10 +194,8 @@ def sweep(m: int, k: int, iters: int) -> list[tuple]:
 
 
 def to_markdown(rows, command: str) -> str:
-    device = jax.devices()[0]
     lines = [
-        f"### Fused rotate+quantize on {device.device_kind} "
-        f"({datetime.date.today().isoformat()}, jax {jax.__version__})",
+        harness.heading("Fused rotate+quantize"),
         "",
         f"Command: `{command}`",
         "",
@@ -256,11 +240,7 @@ def main():
     command = f"python benchmarks/bench_quantize.py --shapes {args.shapes} --iters {args.iters}"
     command += " --sweep" if args.sweep else ""
     command += f" --tiles {tiles}"
-    table = to_markdown(rows, command)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
-    print(table)
+    harness.emit(to_markdown(rows, command), args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ plus the last training loss, so a recipe that diverges shows it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -22,6 +21,8 @@ import tempfile
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import harness  # benchmarks/harness.py (this folder is on sys.path when run as a script)
 
 from fp4jax import train as trainer  # noqa: E402
 
@@ -55,8 +56,7 @@ def bench_recipe(config, recipe: str, steps: int, skip: int) -> dict:
 def to_markdown(rows, config, command: str) -> str:
     m = config.model
     lines = [
-        f"### Train step on {jax.device_count()} x {jax.devices()[0].device_kind} "
-        f"({datetime.date.today().isoformat()}, jax {jax.__version__})",
+        harness.heading("Train step", f"{jax.device_count()} x {jax.devices()[0].device_kind}"),
         "",
         f"Model `{m.size}`, global batch {config.global_batch} x seq {config.seq_len}, remat "
         f"`{m.remat or 'full'}`. Command: `{command}`",
@@ -88,11 +88,7 @@ def main():
         rows.append(bench_recipe(config, recipe, args.steps, args.skip))
         print(json.dumps(rows[-1]), flush=True)
     command = " ".join(["python benchmarks/bench_train.py", *sys.argv[1:]])
-    table = to_markdown(rows, config, command)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
-    print(table)
+    harness.emit(to_markdown(rows, config, command), args.out)
 
 
 if __name__ == "__main__":

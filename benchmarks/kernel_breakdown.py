@@ -20,6 +20,8 @@ import gzip
 import json
 import os
 
+import harness  # benchmarks/harness.py (this folder is on sys.path when run as a script)
+
 # (category, substrings of a kernel name). Order matters: the first rule that matches wins.
 CATEGORIES = (
     ("attention", ("cudnn", "flash", "fmha", "attention")),
@@ -92,11 +94,7 @@ def main():
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     by_cat, kernels = breakdown(load_events(args.folder))
-    table = to_markdown(by_cat, kernels, args.steps, args.top)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
-    print(table)
+    harness.emit(to_markdown(by_cat, kernels, args.steps, args.top), args.out)
 
 
 if __name__ == "__main__":
