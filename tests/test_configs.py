@@ -3,10 +3,12 @@ differs from its set-up's baseline only in the recipe; the proxy set-ups keep th
 
 import glob
 import importlib.util
+import math
 import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -83,7 +85,14 @@ def test_config_loads_and_its_model_eval_shapes(path):
     assert isinstance(model, Llama) and model_cfg.vocab_size >= tok.vocab_size
     assert model_cfg.scaled_output_init  # Megatron/NeMo's init for every Llama config
     shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 32), jnp.int32))
-    assert shapes["params"]  # the model has parameters
+    built = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nn.meta.unbox(shapes["params"])))
+    # The module the config builds has exactly the parameters its LlamaConfig describes, counted
+    # independently here: embedding and head V x D, per block 4 attention projections, 3 MLP matrices
+    # and 2 norm scales, plus the final norm.
+    c = model_cfg
+    attn = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    per_block = attn + 3 * c.d_model * c.d_ff + 2 * c.d_model
+    assert built == 2 * c.vocab_size * c.d_model + c.n_layers * per_block + c.d_model
 
 
 @pytest.mark.parametrize("prefix", sorted(LADDER_FILES))
