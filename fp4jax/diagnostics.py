@@ -51,7 +51,7 @@ from fp4jax.ops import quantize
 from fp4jax.ops.flax_adapters import QuantDotGeneral
 from fp4jax.ops.formats import get_elem_format
 from fp4jax.ops.kernels import backends, fold
-from fp4jax.ops.quantized_dot import operand_layouts, to_bfc
+from fp4jax.ops.quantized_dot import operand_layouts, quantize_operand, to_bfc
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, get_recipe
 from fp4jax.ops.rotation import random_signs, rotate_blocks
 
@@ -161,23 +161,6 @@ def gemm_operands(ops: LayerOperands, gemm: str) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"unknown GEMM {gemm!r}: use one of {', '.join(GEMMS)}")
 
 
-def _quantize(x: jax.Array, spec: QuantSpec, key):
-    if spec.kind == "none":
-        return x
-    if spec.kind == "fp8":  # delayed scaling is measured with current scaling: no history here
-        return quantize.quantize_fp8(x, elem=spec.elem)
-    return quantize.quantize_mx(
-        x,
-        axis=-1,
-        elem=spec.elem,
-        block_size=spec.block_size,
-        scale_mode=spec.scale_mode,
-        rounding=spec.rounding,
-        key=key,
-        prescale=spec.prescale,  # the block scale comes from x; the elements round prescale * x / 2^e
-    )
-
-
 def quantize_gemm(a: jax.Array, c: jax.Array, gemm: GemmSpec, key) -> tuple[Any, Any, Any, Any]:
     """(a_used, c_used, qa, qc): the operands padded and rotated as the GEMM uses them, and quantized.
 
@@ -198,7 +181,12 @@ def quantize_gemm(a: jax.Array, c: jax.Array, gemm: GemmSpec, key) -> tuple[Any,
             signs = random_signs(sign_key, rotation.size)
         a = rotate_blocks(a, axis=-1, size=rotation.size, signs=signs)
         c = rotate_blocks(c, axis=-1, size=rotation.size, signs=signs)
-    return a, c, _quantize(a, gemm.lhs, a_key), _quantize(c, gemm.rhs, c_key)
+    # fp8_scale=None: current scaling; a delayed-FP8 recipe is measured without its amax history.
+    quantized = (
+        quantize_operand(a, gemm.lhs, a_key, None),
+        quantize_operand(c, gemm.rhs, c_key, None),
+    )
+    return a, c, *quantized
 
 
 def _multiply(qa, qc, gemm: GemmSpec) -> jax.Array:

@@ -19,6 +19,7 @@ import pytest
 from fp4jax import diagnostics as diag
 from fp4jax.models.llama import Llama, llama_config
 from fp4jax.ops import GemmSpec, get_recipe, mx_dot_general
+from fp4jax.ops.quantized_dot import quantize_operand
 from fp4jax.ops.recipes import MXFP4, MXFP4_SR, MXFP4_SR_PRESCALE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,7 +132,8 @@ def test_flush_saturation_and_exponents_against_numpy():
     blocks[2, :, 0] = np.float32(1.7) * np.exp2(np.float32(3))  # even scale: amax lands at 6.8, clips
     x = blocks.reshape(1, 4, 256)
     spec = MXFP4
-    stats = jax.device_get(jax.jit(lambda x: diag.operand_stats(x, diag._quantize(x, spec, None), spec))(x))
+    stats_fn = jax.jit(lambda x: diag.operand_stats(x, quantize_operand(x, spec, None, None), spec))
+    stats = jax.device_get(stats_fn(x))
 
     reference = ref.quantize_mx(x, axis=-1, elem="e2m1", block_size=32, scale_mode="even")
     deq = reference.dequantize64()

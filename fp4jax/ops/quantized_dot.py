@@ -93,7 +93,7 @@ def _normalize_dims(dimension_numbers) -> Dims:
 # one quantized GEMM
 
 
-def _quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
+def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
     """Quantizes a (B, F, C) operand along C; a plain operand passes through unchanged."""
     if spec.kind == "none":
         return x
@@ -145,8 +145,8 @@ def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> 
         signs = _rotation_signs(gemm.rotation, rotation_key)
         a = rotate_blocks(a, axis=-1, size=gemm.rotation.size, signs=signs)
         c = rotate_blocks(c, axis=-1, size=gemm.rotation.size, signs=signs)
-    qa = _quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
-    qc = _quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
+    qa = quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
+    qc = quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
     out = backends.matmul(qa, qc, backend=backend, precision=_dot_precision(gemm, precision))
     prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the product
     return out if prescale == 1 else out / prescale
