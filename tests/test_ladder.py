@@ -10,30 +10,15 @@ import os
 import sys
 
 import pytest
+from tiny_runs import TINY_OVERRIDES
 
 from fp4jax import ladder
 from fp4jax.study import runner, runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_c4_h16.py")
-TINY = {
-    "recipe": "fp8",
-    "model.remat": "none",
-    "seq_len": 32,
-    "global_batch": 8,
-    "steps": 6,
-    "optimizer.peak_lr": 1e-2,
-    "optimizer.warmup_steps": 1,
-    "optimizer.lr_decay_steps": 6,
-    "eval_every_sequences": 16,
-    "eval_sequences": 8,
-    "eval_batch_size": 8,
-    "eval_at_end": False,
-    "checkpoint_every_steps": 2,
-    "progress_bar": False,
-    "tensorboard": False,
-    "data.num_threads": 1,
-}
+# The trainer tests' tiny run, with the plain fp8 recipe, evaluations every 2 updates and no TensorBoard.
+TINY = {**TINY_OVERRIDES, "recipe": "fp8", "eval_every_sequences": 16, "tensorboard": False}
 
 
 @pytest.fixture
