@@ -20,13 +20,7 @@ from ml_collections import config_flags
 
 from fp4jax.data import DataError
 from fp4jax.training.errors import UserError
-from fp4jax.training.setup import (  # noqa: F401  (re-exported: the trainer's pieces by their old names)
-    build_model,
-    device_batch,
-    init_train_state,
-    initialize_distributed,
-    jit_steps,
-)
+from fp4jax.training.setup import initialize_distributed
 from fp4jax.training.trainer import train
 
 __all__ = ["main", "parse_flags", "train"]

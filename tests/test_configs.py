@@ -18,7 +18,7 @@ import fp4jax
 from fp4jax.configs import base, ladder
 from fp4jax.models.llama import Llama
 from fp4jax.ops import PRESETS
-from fp4jax.train import build_model
+from fp4jax.training.setup import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
