@@ -94,29 +94,51 @@ def _block_view(x: MXArray) -> tuple[jax.Array, jax.Array]:
     return blocks, x.scale_exponent()
 
 
-def fold_mx_to_fp8(x: MXArray, *, fp8_dtype=jnp.float8_e4m3fn) -> FoldedOperand:
-    """Folds an E2M1 MXArray (blocks on the last axis) into E4M3 with one exponent per row (see module)."""
+@dataclasses.dataclass(frozen=True)
+class _RowWindow:
+    """Per block: the elements, whether it is non-zero, its exponent below the row's top (delta <= 0 for
+    every non-zero block), and per row the top exponent and whether a NaN block poisons it."""
+
+    blocks: jax.Array  # float32 (..., blocks, block_size)
+    nonzero_block: jax.Array  # (..., blocks)
+    delta: jax.Array  # int32 (..., blocks)
+    row_top: jax.Array  # int32 (..., 1); 0 for an all-zero row
+    nan_row: jax.Array  # (...)
+
+    @property
+    def in_window(self) -> jax.Array:
+        return self.delta >= -WINDOW
+
+    @property
+    def flushed(self) -> jax.Array:
+        """How many non-zero blocks fall below the window (rows with a NaN block count nothing)."""
+        out = self.nonzero_block & ~self.in_window & ~self.nan_row[..., None]
+        return jnp.sum(out.astype(jnp.int32))
+
+
+def _row_window(x: MXArray) -> _RowWindow:
     _check_foldable(x)
-    shift = fold_shift(fp8_dtype)
     blocks, exponent = _block_view(x)
     is_nan_block = exponent == _NAN_EXPONENT
     nonzero_block = jnp.any(blocks != 0, axis=-1) & ~is_nan_block
     row_top = jnp.max(jnp.where(nonzero_block, exponent, _NO_BLOCK), axis=-1, keepdims=True)
     row_top = jnp.where(row_top == _NO_BLOCK, 0, row_top)
     nan_row = jnp.any(is_nan_block, axis=-1)
+    return _RowWindow(blocks, nonzero_block, exponent - row_top, row_top, nan_row)
 
-    delta = exponent - row_top  # <= 0 for every non-zero block
-    in_window = delta >= -WINDOW
+
+def fold_mx_to_fp8(x: MXArray, *, fp8_dtype=jnp.float8_e4m3fn) -> FoldedOperand:
+    """Folds an E2M1 MXArray (blocks on the last axis) into E4M3 with one exponent per row (see module)."""
+    shift = fold_shift(fp8_dtype)
+    w = _row_window(x)
     # q * 2^(delta + shift): a power of two in [2^-8, 2^6] times a multiple of 0.5 below 6: exact in
     # float32, and on the E4M3 grid, so the cast below does not round.
-    factor = pow2(jnp.clip(delta, -WINDOW, 0) + shift)
-    folded = jnp.where(in_window[..., None], blocks * factor[..., None], 0.0)
+    factor = pow2(jnp.clip(w.delta, -WINDOW, 0) + shift)
+    folded = jnp.where(w.in_window[..., None], w.blocks * factor[..., None], 0.0)
     folded = folded.reshape(x.data.shape)
-    folded = jnp.where(nan_row[..., None], jnp.nan, folded).astype(fp8_dtype)
-
-    flushed = jnp.sum((nonzero_block & ~in_window & ~nan_row[..., None]).astype(jnp.int32))
-    row_exponent = jnp.where(nan_row, 0, row_top[..., 0] - shift).astype(jnp.int32)
-    return FoldedOperand(data=folded, row_exponent=row_exponent, flushed_blocks=flushed)
+    folded = jnp.where(w.nan_row[..., None], jnp.nan, folded).astype(fp8_dtype)
+    row_exponent = jnp.where(w.nan_row, 0, w.row_top[..., 0] - shift).astype(jnp.int32)
+    return FoldedOperand(data=folded, row_exponent=row_exponent, flushed_blocks=w.flushed)
 
 
 def count_fold_flushes(x: MXArray) -> jax.Array:
@@ -124,14 +146,7 @@ def count_fold_flushes(x: MXArray) -> jax.Array:
 
     Only the block exponents and a non-zero test are read; rows with a NaN block count nothing.
     """
-    _check_foldable(x)
-    blocks, exponent = _block_view(x)
-    is_nan_block = exponent == _NAN_EXPONENT
-    nonzero_block = jnp.any(blocks != 0, axis=-1) & ~is_nan_block
-    row_top = jnp.max(jnp.where(nonzero_block, exponent, _NO_BLOCK), axis=-1, keepdims=True)
-    nan_row = jnp.any(is_nan_block, axis=-1, keepdims=True)
-    out_of_window = nonzero_block & (exponent - row_top < -WINDOW) & ~nan_row
-    return jnp.sum(out_of_window.astype(jnp.int32))
+    return _row_window(x).flushed
 
 
 def apply_exponents(out: jax.Array, exponent: jax.Array) -> jax.Array:
