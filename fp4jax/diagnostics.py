@@ -38,6 +38,7 @@ Delayed FP8 scaling is measured with current scaling (the probe has no amax hist
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -106,13 +107,27 @@ def per_block_params(params: Any, model_cfg: LlamaConfig) -> dict:
     return params
 
 
+def _capture_attention(option: str) -> str:
+    """The attention kernel for the capture: the model's, except under XLA's deterministic GPU ops.
+
+    With --xla_gpu_deterministic_ops (the GPU test lane sets it) XLA fails to compile this program when it
+    holds cuDNN flash attention (jax 0.11.2 on an H200: `IndexError: absl::container_internal::raw_hash_map<>
+    ::at`; either change alone compiles: benchmarks/gpu_repro_diagnostics.py). The capture measures the
+    GEMMs, whose operands XLA's attention changes only by rounding, so it takes XLA's attention there.
+    """
+    deterministic = "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "").lower()
+    return "xla" if deterministic and option in ("auto", "cudnn") else option
+
+
 def capture_operands(model_cfg: LlamaConfig, params: Any, batch: dict) -> tuple[jax.Array, dict]:
     """(loss, {(layer, kind): LayerOperands}) from one bf16-recipe forward/backward of `batch`.
 
     `batch` has int32 "inputs" and "targets" [B, T]; the loss is the mean next-token cross-entropy (the
     training loss), so dy is the cotangent training differentiates. Pure and jit-able.
     """
-    model = Llama(dataclasses.replace(model_cfg, scan_layers=False), recipe="bf16")
+    attention = _capture_attention(model_cfg.attention)
+    unscanned = dataclasses.replace(model_cfg, scan_layers=False, attention=attention)
+    model = Llama(unscanned, recipe="bf16")
     params = per_block_params(params, model_cfg)
 
     def run(cotangents):

@@ -62,7 +62,9 @@ def test_configs_import_from_anywhere_without_sys_path_edits(tmp_path):
     # Only the directory that holds the fp4jax package being tested (site-packages when installed, the
     # checkout when the GPU lane runs from one on PYTHONPATH); never configs/ or anything else.
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(fp4jax.__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": package_root}
+    # Other PYTHONPATH entries (dependencies installed with --target, as on the GPU machine) stay.
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and "configs" not in p]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([package_root, *kept])}
     out = subprocess.run(
         [sys.executable, "-c", script, *CONFIGS], cwd=tmp_path, env=env, capture_output=True, text=True
     )

@@ -254,6 +254,8 @@ def _mx(key, shape, spread=0):
 
 @pytest.mark.parametrize("fp8", ["e4m3fn", "e4m3fnuz"])
 def test_fp8_product_matches_emulate(fp8):
+    if fp8 == "e4m3fnuz" and backends.describe_device().vendor == "nvidia":
+        pytest.skip("FNUZ FP8 is MI300's format: NVIDIA GPUs have no GEMM for it (ALG_DOT_ANY_F8_ANY_F8_F32)")
     ka, kc = jax.random.split(jax.random.key(1))
     a, c = _mx(ka, (2, 48, 512), spread=60), _mx(kc, (2, 40, 512), spread=60)
     got = np.asarray(fp8_matmul_jit(a, c, FP8[fp8]), np.float64)
