@@ -222,7 +222,8 @@ def test_diagnostics_over_training_are_reduced_tabled_and_plotted(tmp_path):
             i = line["step"] // 5 - 1
             line.update({f"diag/{k}/{g}/out_rel_err": v[i] for (k, g), v in errs.items()})
             line.update(
-                {"diag/layer_00/wgrad/out_rel_err": 0.4, "diag/q/wgrad/x_rel_err": 9.0, "diag_time_s": 0.05}
+                {"diag/layer_00/wgrad/out_rel_err": 0.4, "diag/q/wgrad/x_rel_err": 9.0}
+                | {"diag_time_s": (2.0, 0.05)[i]}  # the first probe compiles
             )
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     result = analysis.analyze(analysis.load_runs(str(tmp_path)), "fp8")
@@ -234,7 +235,8 @@ def test_diagnostics_over_training_are_reduced_tabled_and_plotted(tmp_path):
     ]
     assert d["last_out_rel_err"] == {"q/wgrad": 0.3, "down/wgrad": 0.5, "q/fprop": 0.02}
     assert d["last_wgrad_by_layer"] == [0.4]
-    assert d["overhead"] == pytest.approx(2 * 0.05 / (30 * 0.5))  # 30 training lines of 0.5 s
-    assert "| fp8 | 0 | 10 | 2.000e-02 | - | 4.000e-01 | 0.67% |" in report.to_markdown(result)
+    assert d["overhead"] == pytest.approx((2.0 + 0.05) / (30 * 0.5))  # 30 training lines of 0.5 s
+    assert d["probe_steps"] == pytest.approx(0.05 / 0.5)  # the first probe compiles: left out
+    assert "| fp8 | 0 | 10 | 2.000e-02 | - | 4.000e-01 | 13.67% | 0.10 |" in report.to_markdown(result)
     paths = report.write(result, str(tmp_path / "out" / "d"))
     assert paths[-1].endswith("d_diagnostics.png") and os.path.getsize(paths[-1]) > 1000

@@ -82,7 +82,10 @@ def diagnostics(records: list[dict]) -> dict | None:
     """The per-GEMM probe's lines (contract C: "diag/<kind>/<gemm>/<quantity>" in training lines), reduced:
     at each probed step, out_rel_err per GEMM as the mean over layer kinds; the last probe's out_rel_err
     per kind and GEMM, and its per-layer Wgrad error; overhead = sum diag_time_s / sum step_time_s over the
-    run (the trainer leaves the probe's time out of step_time_s). None when the run was not probed."""
+    run (the trainer leaves the probe's time out of step_time_s), which includes the probe's one-time
+    compilation; probe_steps = median probe time after the first / median step time, the steady cost of
+    one probe in steps (the overhead at every N is about probe_steps / N). None when the run was not
+    probed."""
     probed = [r for r in runs.train_records(records) if "diag_time_s" in r]
     if not probed:
         return None
@@ -103,7 +106,16 @@ def diagnostics(records: list[dict]) -> dict | None:
         "last_out_rel_err": {f"{k}/{g}": last[f"diag/{k}/{g}/out_rel_err"] for k, g in pairs},
         "last_wgrad_by_layer": [last[k] for k in layers],
         "overhead": _ratio(sum(r["diag_time_s"] for r in probed), step_time),
+        "probe_steps": _probe_steps(probed, runs.train_records(records)),
     }
+
+
+def _probe_steps(probed: list[dict], train: list[dict]) -> float | None:
+    """Median probe time after the first (which compiles) over the median step time; None below 2 probes."""
+    steps = [r["step_time_s"] for r in train if r.get("step_time_s")]
+    if len(probed) < 2 or not steps:
+        return None
+    return statistics.median(r["diag_time_s"] for r in probed[1:]) / statistics.median(steps)
 
 
 def load_runs(root: str) -> list[Run]:

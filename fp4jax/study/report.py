@@ -101,8 +101,10 @@ def _lr_cell(row) -> str:
 
 def diagnostics_table(groups: list[dict]) -> list[str]:
     """Per (rung, LR), its first probed seed: the last probe's output relative error per GEMM (mean over
-    layer kinds) and the probe's share of training time."""
-    lines = ["| rung | seed | last probed step | Fprop | Dgrad | Wgrad | probe overhead |", "|" + "---|" * 7]
+    layer kinds), the probe's share of this run's training time (its compilation included) and its steady
+    cost in training steps (overhead at N = 100 is about cost / 100)."""
+    head = "| rung | seed | last probed step | Fprop | Dgrad | Wgrad | probe overhead (run) | probe (steps) |"
+    lines = [head, "|" + "---|" * 8]
     for g in groups:
         run = next((r for r in g["runs"] if r.get("diagnostics")), None)
         if run is None:
@@ -110,7 +112,8 @@ def diagnostics_table(groups: list[dict]) -> list[str]:
         d = run["diagnostics"]
         errs = [_num(d["out_rel_err"].get(gemm, [None])[-1], ".3e") for gemm in ("fprop", "dgrad", "wgrad")]
         name = g["rung"] if g["lr"] is None else f"{g['rung']} (LR {g['lr']:g})"
-        cells = [name, str(run["seed"]), str(d["last_step"]), *errs, _num(d["overhead"], ".2%")]
+        cost = _num(d.get("probe_steps"), ".2f")
+        cells = [name, str(run["seed"]), str(d["last_step"]), *errs, _num(d["overhead"], ".2%"), cost]
         lines.append("| " + " | ".join(cells) + " |")
     return lines if len(lines) > 2 else []
 
