@@ -7,6 +7,7 @@ Pallas kernels run in interpret mode on CPU; their lowering to Triton IR is chec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from fp4jax.ops import quantize
-from fp4jax.ops.kernels import fold
+from fp4jax.ops.kernels import backends, fold
 from fp4jax.ops.kernels import fused_quantize as fq
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
 from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
@@ -79,6 +80,7 @@ def _reference(x, signs, key, *, axis, spec, rotation, out):
         scale_mode=spec.scale_mode,
         rounding=spec.rounding,
         key=key,
+        prescale=spec.prescale,
     )
     return mx if out == "mx" else fold.fold_mx_to_fp8(mx)
 
@@ -219,6 +221,18 @@ def test_xla_stochastic_rounding_matches_reference_bits():
     _check(x, axis=-2, spec=spec, rotation=H16, key=key)
 
 
+@pytest.mark.parametrize("rounding", ["nearest_even", "nearest_away", "stochastic"])
+def test_xla_prescale_matches_reference(rounding):
+    """QuantSpec.prescale (3/4 in the SR-with-prescale preset): quantize_mx's one float32 multiply."""
+    x = jnp.asarray(_hard_inputs(seed=9))
+    spec = QuantSpec(kind="mx", scale_mode="even", rounding=rounding, prescale=0.75)
+    key = jax.random.key(3) if rounding == "stochastic" else None
+    _check(x, axis=-1, spec=spec, key=key)
+    _check(x, axis=-2, spec=spec, rotation=H16, key=key)
+    _check(x, axis=-2, spec=spec, out="fp8_fold", key=key)
+    _check(x, axis=-1, spec=dataclasses.replace(spec, elem="e4m3", scale_mode="ceil"), key=key)
+
+
 def test_batch_dimensions_and_fold_flushes():
     x = np.random.default_rng(6).standard_normal((2, 32, 64)).astype(np.float32)
     x[0, 1, 32:] *= 2.0**-30  # one block 30 binades below its row's top: flushed by the fold
@@ -304,3 +318,51 @@ def test_bad_input_is_one_clear_error():
         fq.rotate_quantize(jnp.zeros((32, 48)), spec=spec)
     with pytest.raises(ValueError, match="axis must be"):
         fq.rotate_quantize(jnp.zeros((2, 32, 64)), axis=0, spec=spec)
+    with pytest.raises(ValueError, match="prescale runs on the XLA path only"):
+        fq.rotate_quantize(x, spec=QuantSpec(kind="mx", prescale=0.75), impl="pallas")
+
+
+# ----------------------------------------------------------------------------------------------------
+# which implementation
+
+
+H200 = backends.DeviceDescription("nvidia", "NVIDIA H200", "9.0")
+
+
+def test_choose_impl_takes_pallas_only_where_asked_and_supported(monkeypatch):
+    spec = QuantSpec(kind="mx", scale_mode="even")
+    here = dict(device=H200, device_count=1)
+
+    def choose(shape=(2, 256, 512), axis=-1, spec=spec, rotation=H16, out="mx", setting="pallas", **kw):
+        return fq.choose_impl(shape, axis, spec, rotation, out, setting=setting, **{**here, **kw})
+
+    assert choose() == "pallas" and choose(axis=-2, out="fp8_fold") == "pallas"
+    assert choose(setting="xla") == "xla"
+    assert choose(setting="auto") == ("pallas" if fq.AUTO_PREFERS_PALLAS else "xla")
+    monkeypatch.setattr(fq, "AUTO_PREFERS_PALLAS", True)
+    assert choose(setting="auto") == "pallas"
+    # Where the kernels do not run, "pallas" and "auto" fall back to XLA (same bits).
+    assert choose(spec=dataclasses.replace(spec, rounding="stochastic")) == "xla"
+    assert choose(spec=dataclasses.replace(spec, prescale=0.75)) == "xla"
+    assert choose(device=backends.DeviceDescription("cpu", "cpu")) == "xla"
+    assert choose(device=backends.DeviceDescription("amd", "MI300X", "gfx942")) == "xla"
+    assert choose(device_count=8) == "xla"  # a pallas_call does not shard
+    assert choose(shape=(2, 256, 480)) == "xla"  # quantized axis not a multiple of 256
+    assert choose(shape=(2, 256, 480), axis=-2) == "pallas"  # column-wise: 480 output rows, 256 quantized
+    assert choose(shape=(2, 8, 512)) == "xla"  # 8 output rows: below the checked tile
+
+
+def test_impl_env_var(monkeypatch):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
+    spec = QuantSpec(kind="mx")
+    want = fq.rotate_quantize(x, spec=spec, impl="xla")
+    for value in ("xla", "pallas", "auto", " auto ", ""):
+        monkeypatch.setenv(fq.IMPL_ENV_VAR, value)
+        assert fq.impl_setting() == (value.strip() or "auto")
+        # On this CPU even "pallas" means XLA: the kernels run on NVIDIA GPUs only (interpret mode aside).
+        _assert_same(fq.rotate_quantize(x, spec=spec), want)
+    monkeypatch.setenv(fq.IMPL_ENV_VAR, "triton")
+    with pytest.raises(ValueError, match=r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla$"):
+        fq.rotate_quantize(x, spec=spec)
+    with pytest.raises(ValueError, match="unknown quantize impl"):
+        fq.choose_impl(x.shape, -1, spec, NO_ROTATION, "mx", setting="fast")
