@@ -1,12 +1,13 @@
 """fused_quantize equals the reference path bit for bit: rotate, quantize_mx, fold_mx_to_fp8.
 
-The reference path is the one quantized_dot runs today, with the rotation defined once
-(fused_quantize.hadamard_rotate, checked here against float64 and against rotation.rotate_blocks).
+The reference path is rotation.rotate_blocks (the one definition of the rotation, hadamard_rotate,
+checked here against float64), then quantize_mx, then fold_mx_to_fp8.
 Pallas kernels run in interpret mode on CPU; their lowering to Triton IR is checked without a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from fp4jax.ops import quantize
-from fp4jax.ops.kernels import fold
+from fp4jax.ops.kernels import backends, fold
 from fp4jax.ops.kernels import fused_quantize as fq
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
 from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
@@ -79,6 +80,7 @@ def _reference(x, signs, key, *, axis, spec, rotation, out):
         scale_mode=spec.scale_mode,
         rounding=spec.rounding,
         key=key,
+        prescale=spec.prescale,
     )
     return mx if out == "mx" else fold.fold_mx_to_fp8(mx)
 
@@ -124,13 +126,16 @@ def test_rotation_is_the_orthonormal_hadamard_to_float32_rounding():
         np.testing.assert_allclose(got, exact, rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(x).max())
 
 
-def test_rotation_equals_rotate_blocks_where_sums_are_exact():
-    # Small integers: every H16 product (x / 4) and partial sum is exact, so any summation order agrees.
-    x = np.random.default_rng(2).integers(-64, 64, (8, 64)).astype(np.float32)
+def test_rotation_is_rotate_blocks_bit_for_bit():
+    # One definition: rotation.rotate_blocks computes with the same butterfly, on any input.
+    x = _hard_inputs(rows=32, cols=128, seed=2)
+    x[np.isnan(x) | np.isinf(x)] = 0.0
     signs = random_signs(jax.random.key(0), 16)
     want = rotate_blocks(x, axis=-1, size=16, signs=signs)
-    got = fq.hadamard_rotate(jnp.asarray(x), 16, jnp.tile(signs, 4)[None])
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got = fq.hadamard_rotate(jnp.asarray(x), 16, jnp.tile(signs, 8)[None])
+    nan = np.isnan(np.asarray(want))  # sums of +-3e38 overflow; a NaN's sign bit is unspecified
+    np.testing.assert_array_equal(nan, np.isnan(np.asarray(got)))
+    np.testing.assert_array_equal(_bits(got)[~nan], _bits(want)[~nan])
 
 
 def test_rotation_spellings_give_the_same_bits():
@@ -214,6 +219,18 @@ def test_xla_stochastic_rounding_matches_reference_bits():
     # The key matters: the reference draws its bits from it, so ignoring it would not match.
     _check(x, axis=-1, spec=spec, key=key)
     _check(x, axis=-2, spec=spec, rotation=H16, key=key)
+
+
+@pytest.mark.parametrize("rounding", ["nearest_even", "nearest_away", "stochastic"])
+def test_xla_prescale_matches_reference(rounding):
+    """QuantSpec.prescale (3/4 in the SR-with-prescale preset): quantize_mx's one float32 multiply."""
+    x = jnp.asarray(_hard_inputs(seed=9))
+    spec = QuantSpec(kind="mx", scale_mode="even", rounding=rounding, prescale=0.75)
+    key = jax.random.key(3) if rounding == "stochastic" else None
+    _check(x, axis=-1, spec=spec, key=key)
+    _check(x, axis=-2, spec=spec, rotation=H16, key=key)
+    _check(x, axis=-2, spec=spec, out="fp8_fold", key=key)
+    _check(x, axis=-1, spec=dataclasses.replace(spec, elem="e4m3", scale_mode="ceil"), key=key)
 
 
 def test_batch_dimensions_and_fold_flushes():
@@ -301,3 +318,53 @@ def test_bad_input_is_one_clear_error():
         fq.rotate_quantize(jnp.zeros((32, 48)), spec=spec)
     with pytest.raises(ValueError, match="axis must be"):
         fq.rotate_quantize(jnp.zeros((2, 32, 64)), axis=0, spec=spec)
+    with pytest.raises(ValueError, match="prescale runs on the XLA path only"):
+        fq.rotate_quantize(x, spec=QuantSpec(kind="mx", prescale=0.75), impl="pallas")
+
+
+# ----------------------------------------------------------------------------------------------------
+# which implementation
+
+
+H200 = backends.DeviceDescription("nvidia", "NVIDIA H200", "9.0")
+
+
+def test_choose_impl_takes_pallas_only_where_asked_and_supported(monkeypatch):
+    spec = QuantSpec(kind="mx", scale_mode="even")
+    here = dict(device=H200, device_count=1)
+
+    def choose(shape=(2, 256, 512), axis=-1, spec=spec, rotation=H16, out="mx", setting="pallas", **kw):
+        return fq.choose_impl(shape, axis, spec, rotation, out, setting=setting, **{**here, **kw})
+
+    assert choose() == "pallas" and choose(axis=-2, out="fp8_fold") == "pallas"
+    assert choose(setting="xla") == "xla"
+    assert choose(setting="auto") == ("pallas" if fq.AUTO_PREFERS_PALLAS else "xla")
+    monkeypatch.setattr(fq, "AUTO_PREFERS_PALLAS", True)
+    assert choose(setting="auto") == "pallas"
+    # Where the kernels do not run, "pallas" and "auto" fall back to XLA (same bits).
+    assert choose(spec=dataclasses.replace(spec, rounding="stochastic")) == "xla"
+    assert choose(spec=dataclasses.replace(spec, prescale=0.75)) == "xla"
+    assert choose(device=backends.DeviceDescription("cpu", "cpu")) == "xla"
+    assert choose(device=backends.DeviceDescription("amd", "MI300X", "gfx942")) == "xla"
+    assert choose(device_count=8) == "xla"  # a pallas_call does not shard
+    assert choose(shape=(2, 256, 480)) == "xla"  # quantized axis not a multiple of 256
+    assert choose(shape=(2, 256, 480), axis=-2) == "pallas"  # column-wise: 480 output rows, 256 quantized
+    assert choose(shape=(2, 8, 512)) == "xla"  # 8 output rows: below the checked tile
+
+
+def test_impl_env_var(monkeypatch):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
+    spec = QuantSpec(kind="mx")
+    want = fq.rotate_quantize(x, spec=spec, impl="xla")
+    for value in ("xla", "pallas", "auto", " auto ", ""):
+        monkeypatch.setenv(fq.IMPL_ENV_VAR, value)
+        assert fq.impl_setting() == (value.strip() or "auto")
+        # On this CPU even "pallas" means XLA: the kernels run on NVIDIA GPUs only (interpret mode aside).
+        _assert_same(fq.rotate_quantize(x, spec=spec), want)
+    monkeypatch.setenv(fq.IMPL_ENV_VAR, "triton")
+    with pytest.raises(
+        ValueError, match=r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla$"
+    ):
+        fq.rotate_quantize(x, spec=spec)
+    with pytest.raises(ValueError, match="unknown quantize impl"):
+        fq.choose_impl(x.shape, -1, spec, NO_ROTATION, "mx", setting="fast")

@@ -12,26 +12,28 @@ what the Wgrad GEMM quantizes: x and dy along tokens).
 
 Invariants (tests/test_fused_quantize.py checks them bit for bit on CPU, Pallas in interpret mode):
 
-    rotate_quantize(x, axis=-1, out="mx")        == quantize_mx(hadamard_rotate(x), axis=-1)
-    rotate_quantize(x, axis=-2, out="mx")        == quantize_mx(hadamard_rotate(swapaxes(x)), axis=-1)
+    rotate_quantize(x, axis=-1, out="mx")        == quantize_mx(rotate_blocks(x, axis=-1), axis=-1)
+    rotate_quantize(x, axis=-2, out="mx")        == quantize_mx(rotate_blocks(swapaxes(x), axis=-1), axis=-1)
     rotate_quantize(x, ..., out="fp8_fold")      == fold_mx_to_fp8(rotate_quantize(x, ..., out="mx"))
 
-`hadamard_rotate` is the one definition of the rotation both implementations use: log2(g) butterfly
-stages of float32 adds in a fixed order, then one multiply by 1/sqrt(g) (the float32 entry of
-rotation.hadamard(g), exact for g = 16). It is the same orthonormal map as rotation.rotate_blocks (a
-float32 matmul) but not the same rounding: a matmul's summation order is the library's choice and
-differs between back ends, so no fused kernel can reproduce it bit for bit. The two agree exactly
-whenever the sums are exact, and within a few float32 ulps otherwise.
+`rotation.hadamard_rotate` is the one definition of the rotation: log2(g) butterfly stages of float32
+adds in a fixed order, then one multiply by 1/sqrt(g) (the float32 entry of rotation.hadamard(g), exact
+for g = 16). rotation.rotate_blocks, both implementations here and therefore the GEMM path use it, so
+a rotated value is the same on every back end (no matmul, whose summation order the compiler picks).
 
 Exactness of the quantizer does not depend on the platform: rounding is done on integer significands
 (no float rounding, no flush-to-zero), so results equal quantize.py's exact arithmetic everywhere.
-Stochastic rounding runs on the XLA path only (its random bits are jax.random.bits over the reference's
-shape, so it matches quantize_mx bit for bit); impl="pallas" with rounding="stochastic" is an error.
+Stochastic rounding and prescale run on the XLA path only (SR's random bits are jax.random.bits over the
+reference's shape, so it matches quantize_mx bit for bit); impl="pallas" with either is an error.
+
+Which implementation: impl="auto" asks `choose_impl` (XLA unless FP4JAX_QUANTIZE_IMPL=pallas; Pallas
+only where `pallas_supports`); mx_dot_general quantizes every MX operand through here with "auto".
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,7 @@ from jax import lax
 
 from fp4jax.ops import formats
 from fp4jax.ops.formats import ElemFormat, get_elem_format
-from fp4jax.ops.kernels import fold
+from fp4jax.ops.kernels import backends, fold
 from fp4jax.ops.quantize import (
     MXArray,
     _mul_pow2,  # the reference's exact scaling: SR shares it on purpose
@@ -48,7 +50,7 @@ from fp4jax.ops.quantize import (
     scale_exponent,
 )
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
-from fp4jax.ops.rotation import hadamard
+from fp4jax.ops.rotation import hadamard_rotate
 
 OUTPUTS = ("mx", "fp8_fold")
 IMPLS = ("auto", "pallas", "xla")
@@ -61,54 +63,6 @@ _NO_BLOCK = -(2**20)  # below every block exponent: "no non-zero block in this r
 # Largest finite code (sign bit clear) of each element format: the saturation point.
 _MAX_CODE = {"e2m1": 0x7, "e4m3": 0x7E, "e5m2": 0x7B}
 _MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
-
-
-# ----------------------------------------------------------------------------------------------------
-# the rotation (one definition, used by every implementation)
-
-
-def hadamard_rotate(
-    v: jax.Array, size: int, sign_row: jax.Array | None = None, *, spelling: str = "slices"
-) -> jax.Array:
-    """Rotates each run of `size` elements along v's last axis by diag(signs) H_size; float32 in and out.
-
-    The definition (the rounding is part of it): v * signs, then for h = 1, 2, 4, ..., size/2 every
-    pair (i, i + h) of each group of 2h becomes (i: a + b, i + h: a - b), each sum rounded once and a
-    zero sum stored as +0; finally times c = hadamard(size)[0, 0] (1/sqrt(size) as float32: exact
-    for 16). No product feeds a sum, so no compiler can contract one into an FMA and change the bits
-    (the sign products are exact). Sums can overflow where the scaled matmul would not: only for
-    |x| near the float32 maximum, and such a block then gets a NaN scale in every implementation.
-    `spelling` only changes how it is written: "slices" (slices and a stack, which XLA fuses into one
-    loop) or "reductions" (sums over a length-2 axis, which Triton keeps in registers and warp
-    shuffles); the two give the same bits (tests/test_fused_quantize.py checks it).
-    """
-    rows, n = v.shape
-    if sign_row is not None:
-        v = v * sign_row  # +-1: exact, and exact even if contracted into the next sum's FMA
-    h = 1
-    while h < size:
-        v3 = v.reshape(rows * n // (2 * h), 2, h)
-        v3 = _butterfly_slices(v3) if spelling == "slices" else _butterfly_reductions(v3)
-        v = v3.reshape(rows, n)
-        h *= 2
-    return v * float(hadamard(size)[0, 0])
-
-
-def _positive_zero(z: jax.Array) -> jax.Array:
-    # A reduction may start from +0 (XLA) or not (Triton): a zero sum is +0 in both spellings.
-    return jnp.where(z == 0, 0.0, z)
-
-
-def _butterfly_slices(v3: jax.Array) -> jax.Array:
-    a, b = v3[:, 0, :], v3[:, 1, :]
-    return jnp.stack([_positive_zero(a + b), _positive_zero(a - b)], axis=1)
-
-
-def _butterfly_reductions(v3: jax.Array) -> jax.Array:
-    first = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1) == 0
-    total = jnp.sum(v3, axis=1, keepdims=True)  # a + b
-    difference = jnp.sum(jnp.where(first, v3, -v3), axis=1, keepdims=True)  # a + (-b): exact negation
-    return _positive_zero(jnp.where(first, total, difference))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,9 +133,28 @@ def _block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
     amax_bits = jnp.max(bits & _ABS_MASK, axis=-1)
     finite = amax_bits < _INF_BITS
     exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, spec.scale_mode)
-    # Rounding is monotone, so a block is non-zero iff its largest magnitude rounds to non-zero.
-    nonzero = finite & ((encode(amax_bits, exponent, fmt, _nearest(spec)) & _MAGNITUDE_MASK[fmt.name]) > 0)
+    # Rounding (and the prescale's multiply) is monotone, so a block is non-zero iff its largest
+    # magnitude rounds to non-zero.
+    if spec.prescale == 1:
+        top = encode(amax_bits, exponent, fmt, _nearest(spec))
+    else:
+        top = encode(
+            _prescaled_bits(amax_bits[:, None], exponent, finite, spec)[:, 0], 0, fmt, _nearest(spec)
+        )
+    nonzero = finite & ((top & _MAGNITUDE_MASK[fmt.name]) > 0)
     return bits, exponent, finite, nonzero
+
+
+def _prescaled(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
+    """prescale * x / 2^e as float32, as quantize_mx forms it: its exact _mul_pow2, then one multiply."""
+    v = lax.bitcast_convert_type(jnp.where(finite[:, None], bits, 0), jnp.float32)
+    scaled = _mul_pow2(v, -exponent[:, None])
+    return scaled * jnp.float32(spec.prescale) if spec.prescale != 1 else scaled
+
+
+def _prescaled_bits(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
+    """The bits of _prescaled with x's own sign bit (quantize_mx signs its result from x)."""
+    return (_f32_bits(_prescaled(bits, exponent, finite, spec)) & _ABS_MASK) | (bits & -0x80000000)
 
 
 def _nearest(spec: QuantSpec) -> str:
@@ -194,19 +167,19 @@ def _quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, key=None, bit
     """Codes (R, bs) int32 with sign, block exponents (R,), finite (R,), non-zero (R,)."""
     bits, exponent, finite, nonzero = _block_info(v, fmt, spec)
     if spec.rounding == "stochastic":
-        codes = _stochastic_codes(bits, exponent, fmt, key, bits_shape)
+        codes = _stochastic_codes(bits, exponent, finite, fmt, spec, key, bits_shape)
         nonzero = finite & (jnp.max(codes & _MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
+    elif spec.prescale != 1:  # XLA path only: the value is rounded once by the multiply, then encoded
+        codes = encode(_prescaled_bits(bits, exponent, finite, spec), 0, fmt, spec.rounding)
     else:
         codes = encode(bits, exponent[:, None], fmt, spec.rounding)
     codes = jnp.where(finite[:, None], codes, 0)
     return codes, exponent, finite, nonzero
 
 
-def _stochastic_codes(bits, exponent, fmt, key, bits_shape):
+def _stochastic_codes(bits, exponent, finite, fmt, spec, key, bits_shape):
     """quantize.py's own float formulation, with its random bits drawn over the reference's shape."""
-    finite_v = jnp.where(jnp.max(bits & _ABS_MASK, axis=-1, keepdims=True) < _INF_BITS, bits, 0)
-    scaled = _mul_pow2(lax.bitcast_convert_type(finite_v, jnp.float32), -exponent[:, None])
-    abs_scaled = jnp.abs(scaled).reshape(bits_shape)
+    abs_scaled = jnp.abs(_prescaled(bits, exponent, finite, spec)).reshape(bits_shape)
     magnitude = round_to_grid(abs_scaled, fmt, "stochastic", key).reshape(bits.shape)
     return _encode_grid_value(magnitude, bits, fmt)
 
@@ -265,6 +238,8 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
         raise ValueError(f"rotation kind 'random' needs signs of shape ({rotation.size},): pass signs=")
     if spec.rounding == "stochastic" and impl == "pallas":
         raise ValueError("stochastic rounding runs on the XLA path only: use impl='xla' or 'auto'")
+    if spec.prescale != 1 and impl == "pallas":
+        raise ValueError("prescale runs on the XLA path only: use impl='xla' or 'auto'")
     length = x.shape[axis]
     multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
     if length % multiple:
@@ -321,11 +296,71 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, key, out, bits_shape):
 # the public entry point
 
 
-def default_impl() -> str:
-    """'pallas' on NVIDIA GPUs (the Triton kernels, checked there by the benchmark), 'xla' elsewhere."""
-    device = jax.devices()[0]
-    nvidia = device.platform in ("gpu", "cuda") and "NVIDIA" in getattr(device, "device_kind", "")
-    return "pallas" if nvidia else "xla"
+# Which implementation `impl="auto"` runs (`choose_impl`), and the environment variable that overrides it.
+IMPL_ENV_VAR = "FP4JAX_QUANTIZE_IMPL"
+# Whether "auto" takes the Pallas kernels where they can run. Not yet: the Triton kernels beat the XLA
+# formulation standalone on an H200 (docs/performance.md, "Rotate + quantize"), but they have not been
+# timed inside a training step, where XLA fuses its own formulation with the transposes and pads that
+# produce the operand and an opaque pallas_call cannot. That measurement is planned on an H200; flip
+# this (one line) if it shows Pallas winning there.
+AUTO_PREFERS_PALLAS = False
+# The smallest tiles the kernels are run with where they have been checked on a GPU: output rows in
+# multiples of 16, quantized-axis length in multiples of 256 (and block/rotation sizes up to 256).
+PALLAS_ROW_MULTIPLE = 16
+PALLAS_COL_MULTIPLE = 256
+
+
+def impl_setting() -> str:
+    """FP4JAX_QUANTIZE_IMPL: "auto" (unset), "xla" or "pallas"; anything else is a one-line ValueError."""
+    value = os.environ.get(IMPL_ENV_VAR, "").strip() or "auto"
+    if value not in IMPLS:
+        raise ValueError(f"unknown {IMPL_ENV_VAR}={value!r}: use one of {', '.join(IMPLS)}")
+    return value
+
+
+def pallas_supports(
+    shape, axis: int, spec: QuantSpec, rotation: RotationSpec, out: str, *, device=None, device_count=None
+) -> bool:
+    """Whether the Pallas (Triton) kernels can run this quantization here.
+
+    Only on NVIDIA GPUs (the kernels are Triton; checked on an H200 by benchmarks/bench_quantize.py),
+    with one device in the process (a pallas_call is opaque to XLA's sharding propagation: on a mesh it
+    would need shard_map, not written yet), nearest rounding without prescale (stochastic rounding and
+    prescale stay on the XLA path), and full tiles (PALLAS_ROW_MULTIPLE, PALLAS_COL_MULTIPLE).
+    """
+    device = backends.describe_device() if device is None else device
+    device_count = jax.device_count() if device_count is None else device_count
+    if device.vendor != "nvidia" or device_count != 1:
+        return False
+    if spec.kind != "mx" or spec.rounding == "stochastic" or spec.prescale != 1:
+        return False
+    column = axis % len(shape) == len(shape) - 2
+    out_rows, n = (shape[-1], shape[-2]) if column else (shape[-2], shape[-1])
+    multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
+    return (
+        out_rows % PALLAS_ROW_MULTIPLE == 0
+        and n % PALLAS_COL_MULTIPLE == 0
+        and multiple <= PALLAS_COL_MULTIPLE
+    )
+
+
+def choose_impl(
+    shape, axis: int, spec: QuantSpec, rotation: RotationSpec, out: str, *, setting=None, **where
+) -> str:
+    """The implementation rotate_quantize(impl="auto") and mx_dot_general use: "xla" or "pallas".
+
+    setting (default: the environment, `impl_setting`): "xla" always XLA; "pallas" the kernels wherever
+    `pallas_supports` says they run, XLA elsewhere; "auto" the same as "pallas" if AUTO_PREFERS_PALLAS,
+    else XLA. Both give the same bits (tests/test_fused_quantize.py), so the choice is one of speed only.
+    `where` (device, device_count) is for tests.
+    """
+    setting = impl_setting() if setting is None else setting
+    if setting not in IMPLS:
+        raise ValueError(f"unknown quantize impl {setting!r}: use one of {', '.join(IMPLS)}")
+    wants_pallas = setting == "pallas" or (setting == "auto" and AUTO_PREFERS_PALLAS)
+    if wants_pallas and pallas_supports(shape, axis, spec, rotation, out, **where):
+        return "pallas"
+    return "xla"
 
 
 def rotate_quantize(
@@ -348,7 +383,7 @@ def rotate_quantize(
       spec: an MX QuantSpec; rotation: a RotationSpec ("random" needs its `signs`, as
         quantized_dot's _rotation_signs draws them); key: for rounding="stochastic" (XLA path).
       out: "mx" -> MXArray; "fp8_fold" -> fold.FoldedOperand (E2M1 only, float8_e4m3fn).
-      impl: "auto" (Pallas on NVIDIA GPUs unless stochastic, else XLA), "pallas", "xla".
+      impl: "auto" (`choose_impl`: FP4JAX_QUANTIZE_IMPL, XLA by default), "pallas", "xla".
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     """
     x = jnp.asarray(x)
@@ -357,7 +392,7 @@ def rotate_quantize(
         raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
     column = axis % x.ndim == x.ndim - 2
     if impl == "auto":
-        impl = "xla" if spec.rounding == "stochastic" else default_impl()
+        impl = choose_impl(x.shape, axis, spec, rotation, out)
     return _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret)
 
 
@@ -401,4 +436,13 @@ def _assemble(raw, out_shape, lead, spec, out):
     )
 
 
-__all__ = ["rotate_quantize", "hadamard_rotate", "encode", "default_impl", "OUTPUTS", "IMPLS"]
+__all__ = [
+    "rotate_quantize",
+    "hadamard_rotate",
+    "encode",
+    "choose_impl",
+    "pallas_supports",
+    "impl_setting",
+    "OUTPUTS",
+    "IMPLS",
+]
