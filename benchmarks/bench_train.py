@@ -50,6 +50,7 @@ def bench_recipe(config, recipe: str, steps: int, skip: int) -> dict:
         "mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "last_loss": records[-1]["loss"],
+        "peak_memory_gb": max((r["peak_memory_gb"] for r in records if "peak_memory_gb" in r), default=None),
     }
 
 
@@ -61,15 +62,16 @@ def to_markdown(rows, config, command: str) -> str:
         f"Model `{m.size}`, global batch {config.global_batch} x seq {config.seq_len}, remat "
         f"`{m.remat or 'full'}`. Command: `{command}`",
         "",
-        "| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | last loss |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | peak GB | last loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     base = rows[0]["tokens_per_s"]
     for r in rows:
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        peak = "-" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.1f}"
         lines.append(
             f"| {r['recipe']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.3f} | {mfu} "
-            f"| {r['step_time_s']:.3f} | {r['last_loss']:.3f} |"
+            f"| {r['step_time_s']:.3f} | {peak} | {r['last_loss']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
