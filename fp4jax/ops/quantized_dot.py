@@ -8,17 +8,10 @@ operand contracting on any axis) become
     dgrad   dx[b, m, k] = sum_n dy[b, m, n]  w[b, n, k]
     wgrad   dw[b, n, k] = sum_m  x[b, m, k] dy[b, m, n]
 
-and each of the three GEMMs goes through `_gemm`, which pads the contraction axis, rotates and quantizes
+and each of the three GEMMs goes through `_gemm`, which pads the contraction axis, rotates, quantizes
 both operands along the contraction axis from the high-precision tensors, and multiplies with float32
 accumulation. A quantized tensor is never reused across a change of contraction axis. The contract,
 rule by rule: docs/numerics.md.
-
-Each MX operand is rotated and quantized in one pass by fused_quantize.rotate_quantize, in the form its
-back end consumes (MXArray for emulate / native, E4M3 folded with row exponents for fp8), and in the
-layout the GEMM needs: Fprop's operands and Dgrad's dy contract on their last axis (row-wise); Dgrad's W
-and both Wgrad operands contract on their middle axis (column-wise), which rotate_quantize reads in
-place and writes transposed, so no transposed copy of x, W or dy is made first. The result is bit for
-bit quantize_mx(rotate_blocks(operand moved to contraction-last)) (tests/test_gemm_operands.py).
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.ops import quantize
-from fp4jax.ops.kernels import backends, fused_quantize
+from fp4jax.ops.kernels import backends
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import random_signs, rotate_blocks
 
@@ -126,13 +119,9 @@ def _rotation_signs(rotation: RotationSpec, key) -> jax.Array | None:
     return random_signs(key, rotation.size)
 
 
-def _pad_contraction(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    pad = -x.shape[axis] % multiple
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+def _pad_contraction(x: jax.Array, multiple: int) -> jax.Array:
+    pad = -x.shape[-1] % multiple
+    return jnp.pad(x, ((0, 0), (0, 0), (0, pad))) if pad else x
 
 
 def _dot_precision(gemm: GemmSpec, precision):
@@ -147,43 +136,17 @@ def _dot_precision(gemm: GemmSpec, precision):
     return jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else precision
 
 
-def _rotate_and_quantize(x, axis: int, spec: QuantSpec, rotation: RotationSpec, signs, key, fp8_scale, out):
-    """One (B, *, *) operand contracting on `axis` (-1 or -2) -> its quantized (B, F, C) form.
-
-    MX: one rotate_quantize pass (impl chosen by fused_quantize.choose_impl). Plain and per-tensor FP8
-    operands: moved to contraction-last, rotated by rotate_blocks (the same butterfly), quantized.
-    """
-    if spec.kind == "mx":
-        return fused_quantize.rotate_quantize(
-            x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out
-        )
-    x = x if axis == -1 else _swap(x)
-    if rotation.kind != "none":
-        x = rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
-    return quantize_operand(x, spec, key, fp8_scale)
-
-
-def quantize_gemm_operands(a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key, fp8_scales, *, backend):
-    """The two operands of out[b, m, n] = sum_k a[.., k ..] c[.., k ..] as the back end consumes them.
-
-    a and c are (B, *, *) with the contraction on a_axis / c_axis (-1 row-wise, -2 column-wise). Both are
-    zero-padded along it, rotated and quantized; results are (B, M, K) and (B, N, K) (MXArray,
-    fold.FoldedOperand where `backends.quantizer_folds`, FP8Array, or the plain array). `backend` is
-    resolved (not "auto").
-    """
-    a = _pad_contraction(a, a_axis, gemm.contraction_multiple)
-    c = _pad_contraction(c, c_axis, gemm.contraction_multiple)
+def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
+    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k], each operand rotated and quantized along k."""
+    a = _pad_contraction(a, gemm.contraction_multiple)
+    c = _pad_contraction(c, gemm.contraction_multiple)
     rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
-    signs = _rotation_signs(gemm.rotation, rotation_key) if gemm.rotation.kind != "none" else None
-    out = "fp8_fold" if backends.quantizer_folds(gemm.lhs, gemm.rhs, backend) else "mx"
-    qa = _rotate_and_quantize(a, a_axis, gemm.lhs, gemm.rotation, signs, a_key, fp8_scales[0], out)
-    qc = _rotate_and_quantize(c, c_axis, gemm.rhs, gemm.rotation, signs, c_key, fp8_scales[1], out)
-    return qa, qc
-
-
-def _gemm(a, a_axis, c, c_axis, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
-    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k."""
-    qa, qc = quantize_gemm_operands(a, a_axis, c, c_axis, gemm, key, fp8_scales, backend=backend)
+    if gemm.rotation.kind != "none":
+        signs = _rotation_signs(gemm.rotation, rotation_key)
+        a = rotate_blocks(a, axis=-1, size=gemm.rotation.size, signs=signs)
+        c = rotate_blocks(c, axis=-1, size=gemm.rotation.size, signs=signs)
+    qa = quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
+    qc = quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
     out = backends.matmul(qa, qc, backend=backend, precision=_dot_precision(gemm, precision))
     prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the product
     return out if prescale == 1 else out / prescale
@@ -213,9 +176,7 @@ def _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
     backend = backends.resolve_backend(recipe.backend)
     out_bmn = _gemm(
         to_bfc(lhs, lhs_layout),
-        -1,
         to_bfc(rhs, rhs_layout),
-        -1,
         recipe.fprop,
         _gemm_key(key, 0),
         _fp8_scales(recipe, fp8_meta, "fprop"),
@@ -249,12 +210,11 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     dy_bmn = g.reshape(x_bmk.shape[:2] + w_bnk.shape[1:2])
     gemm = functools.partial(_gemm, backend=backend, precision=precision)
 
-    # Dgrad contracts N: dy row-wise, W column-wise. Wgrad contracts M (tokens): both column-wise.
     dx_bmk = gemm(
-        dy_bmn, -1, w_bnk, -2, recipe.dgrad, _gemm_key(key, 1), _fp8_scales(recipe, fp8_meta, "dgrad")
+        dy_bmn, _swap(w_bnk), recipe.dgrad, _gemm_key(key, 1), _fp8_scales(recipe, fp8_meta, "dgrad")
     )
     dw_bkn = gemm(
-        x_bmk, -2, dy_bmn, -2, recipe.wgrad, _gemm_key(key, 2), _fp8_scales(recipe, fp8_meta, "wgrad")
+        _swap(x_bmk), _swap(dy_bmn), recipe.wgrad, _gemm_key(key, 2), _fp8_scales(recipe, fp8_meta, "wgrad")
     )
     d_lhs = from_bfc(dx_bmk, lhs_layout).astype(lhs.dtype)
     d_rhs = from_bfc(_swap(dw_bkn), rhs_layout).astype(rhs.dtype)

@@ -9,8 +9,7 @@ Every back end computes out[b, m, n] = sum_k a[b, m, k] * c[b, n, k] in float32 
 - `native`: MX x MX GEMMs through `jax.lax.scaled_dot` (float4_e2m1fn / float8 data, float8_e8m0fnu
   scales), which XLA lowers to hipBLASLt block-scaled GEMMs on MI355X (gfx950) and cuDNN on Blackwell,
   for the shapes `native_supports` accepts; other GEMMs and shapes run as in `emulate`.
-- `fp8`: E2M1 MX operands folded exactly into E4M3 with one exponent per row (fold.py; on OCP E4M3
-  devices mx_dot_general's quantizer writes them folded already, `quantizer_folds`), one plain FP8
+- `fp8`: E2M1 MX operands folded exactly into E4M3 with one exponent per row (fold.py), one plain FP8
   dot_general with float32 accumulation (cuBLASLt FP8 on Hopper, hipBLASLt FP8 on MI300 with the FNUZ
   types), the row exponents applied to its result. Also MX x FP8Array. MX operands with E4M3/E5M2
   elements do not fold exactly into one E4M3 grid per row in general: those GEMMs run as in `emulate`.
@@ -288,59 +287,26 @@ def _device_fold_dtype() -> Any:
     return fold_dtype(describe_device())
 
 
-def device_fold_dtype() -> Any:
-    """The E4M3 variant the fp8 back end folds into on this process's device (`fold_dtype`)."""
-    return _device_fold_dtype()
-
-
-def _runs_as_fp8(a_fold: bool, c_fold: bool, a_fp8: bool, c_fp8: bool, fp8_dtype) -> bool:
-    """The fp8 back end's rule, on what the operands are: foldable MX (E2M1, blocks on K, or already
-    folded) or per-tensor FP8."""
+def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
+    """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1, blocks
+    on K), or one foldable MX and one OCP FP8Array (not on FNUZ devices, which do not mix the two)."""
+    a_fold, c_fold = fold.is_foldable(a), fold.is_foldable(c)
     if a_fold and c_fold:
         return True
     ocp = jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    return ocp and ((a_fold and c_fp8) or (c_fold and a_fp8))
-
-
-def _is_folded(x, fp8_dtype) -> bool:
-    return isinstance(x, fold.FoldedOperand) and jnp.dtype(x.data.dtype) == jnp.dtype(fp8_dtype)
-
-
-def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
-    """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1, blocks
-    on K) or already folded into fp8_dtype (a fold.FoldedOperand), or one of those and one OCP FP8Array
-    (not on FNUZ devices, which do not mix the two)."""
-    a_fold = fold.is_foldable(a) or _is_folded(a, fp8_dtype)
-    c_fold = fold.is_foldable(c) or _is_folded(c, fp8_dtype)
-    return _runs_as_fp8(a_fold, c_fold, isinstance(a, FP8Array), isinstance(c, FP8Array), fp8_dtype)
-
-
-def quantizer_folds(a_spec, c_spec, backend: str) -> bool:
-    """Whether the quantizer should write this GEMM's E2M1 MX operands already folded
-    (fused_quantize.rotate_quantize(out="fp8_fold")): when the fp8 back end will run the GEMM as one
-    folded FP8 GEMM into float8_e4m3fn (the fused fold writes that type only; on FNUZ devices the
-    quantizer writes MX and fp8_matmul folds it, as before). Specs are recipes.QuantSpec."""
-    if backend != "fp8":
-        return False
-    fp8_dtype = device_fold_dtype()
-    if jnp.dtype(fp8_dtype) != jnp.dtype(jnp.float8_e4m3fn):
-        return False
-    a_fold, c_fold = (s.kind == "mx" and s.elem == "e2m1" for s in (a_spec, c_spec))
-    return _runs_as_fp8(a_fold, c_fold, a_spec.kind == "fp8", c_spec.kind == "fp8", fp8_dtype)
+    return ocp and ((a_fold and isinstance(c, FP8Array)) or (c_fold and isinstance(a, FP8Array)))
 
 
 def _fold_or_fp8(x, fp8_dtype):
     """(FP8 values, int32 row exponents (b, rows) or None, float32 scalar to multiply by or None)."""
     if isinstance(x, FP8Array):
         return x.data, None, 1.0 / x.scale
-    folded = x if isinstance(x, fold.FoldedOperand) else fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
+    folded = fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
     return folded.data, folded.row_exponent, None
 
 
 def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn) -> jax.Array:
     """out = dot_fp8(fold(a), fold(c)) * 2^Ea[m] * 2^Ec[n] (* 1/scale for an FP8Array operand), float32.
-
-    An MXArray operand is folded here; a FoldedOperand (folded by the quantizer) is used as it is.
 
     Equal to `emulate` up to the summation order of the float32 accumulation, except for elements of
     blocks the fold flushes (more than 14 binades below their row's top block; see fold.py).
@@ -367,19 +333,11 @@ def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn) -> jax.Array:
 
 
 def matmul(a, c, *, backend: str, precision=None) -> jax.Array:
-    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k] in float32, by the chosen (resolved) back end.
-
-    An operand may arrive already folded (fold.FoldedOperand, from rotate_quantize(out="fp8_fold")):
-    only the fp8 back end takes it (`quantizer_folds` says when the quantizer may write one)."""
+    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k] in float32, by the chosen (resolved) back end."""
     if backend == "native" and native_supports(a, c):
         return _native(a, c)
     if backend == "fp8":
         fp8_dtype = _device_fold_dtype()
         if fp8_supports(a, c, fp8_dtype):
             return fp8_matmul(a, c, fp8_dtype)
-    if isinstance(a, fold.FoldedOperand) or isinstance(c, fold.FoldedOperand):
-        raise TypeError(
-            f"a folded operand runs on the fp8 back end only (backend {backend!r}, operands "
-            f"{type(a).__name__} x {type(c).__name__}): quantize to MX for the others"
-        )
     return _emulate(a, c, precision)
