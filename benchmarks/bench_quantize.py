@@ -7,18 +7,17 @@ For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: contract B's E4M3 +
 int32 row exponents), it times
 
-  reference  the unfused path: the rotation as a float32 matmul (how rotation.rotate_blocks computed
-             it before it became the butterfly), quantize_mx, and fold_mx_to_fp8 for fp8_fold (the
-             column layout swaps axes first),
+  reference  what quantized_dot runs today: rotation.rotate_blocks (a float32 matmul), quantize_mx,
+             and fold_mx_to_fp8 for fp8_fold (the column layout swaps axes first),
   xla        fused_quantize's XLA formulation,
   pallas     fused_quantize's Triton kernels,
 
 as the median over `--iters` calls, cycling over three different inputs so that nothing stays in L2.
 Effective TB/s = (bytes of the bf16 input + bytes of the outputs) / median time; the copy ceiling is a
 plain bf16 `x * 2` (read + write). `same` says whether the result equals, bit for bit, the reference
-path with the library's rotation (rotation.hadamard_rotate, which rotate_blocks and both fused paths
-share); `vs matmul` gives the fraction of output bytes that differ from the matmul-rotation reference
-(it rounds differently, so H16 rows may differ in a few elements; rows without rotation must show 0).
+path with fused_quantize's rotation (hadamard_rotate, the rotation both fused paths share); `vs matmul`
+gives the fraction of output bytes that differ from the literal reference (its matmul rotation rounds
+differently, so H16 rows may differ in a few elements; rows without rotation must show 0).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from fp4jax.ops.kernels import fold
 from fp4jax.ops.kernels import fused_quantize as fq
 from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
-from fp4jax.ops.rotation import hadamard, rotate_blocks
+from fp4jax.ops.rotation import rotate_blocks
 
 SPEC = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
 ROTATIONS = {"none": RotationSpec(), "H16": RotationSpec(kind="deterministic", size=16)}
@@ -58,14 +57,11 @@ def _reference_fn(axis: int, rotation: RotationSpec, out: str, rotate):
 
 
 def _matmul_rotate(v, size):
-    """The rotation as a float32 matmul (summation order the compiler's): the former rotate_blocks."""
-    blocks = v.reshape(*v.shape[:-1], -1, size)
-    h = jnp.asarray(hadamard(size))
-    return jnp.matmul(blocks, h, precision=jax.lax.Precision.HIGHEST).reshape(v.shape)
+    return rotate_blocks(v, axis=-1, size=size)
 
 
 def _butterfly_rotate(v, size):
-    return rotate_blocks(v, axis=-1, size=size)
+    return fq.hadamard_rotate(v.reshape(-1, v.shape[-1]), size).reshape(v.shape)
 
 
 def _fused_fn(axis: int, rotation: RotationSpec, out: str, impl: str):

@@ -12,14 +12,16 @@ what the Wgrad GEMM quantizes: x and dy along tokens).
 
 Invariants (tests/test_fused_quantize.py checks them bit for bit on CPU, Pallas in interpret mode):
 
-    rotate_quantize(x, axis=-1, out="mx")        == quantize_mx(rotate_blocks(x, axis=-1), axis=-1)
-    rotate_quantize(x, axis=-2, out="mx")        == quantize_mx(rotate_blocks(swapaxes(x), axis=-1), axis=-1)
+    rotate_quantize(x, axis=-1, out="mx")        == quantize_mx(hadamard_rotate(x), axis=-1)
+    rotate_quantize(x, axis=-2, out="mx")        == quantize_mx(hadamard_rotate(swapaxes(x)), axis=-1)
     rotate_quantize(x, ..., out="fp8_fold")      == fold_mx_to_fp8(rotate_quantize(x, ..., out="mx"))
 
-`rotation.hadamard_rotate` is the one definition of the rotation: log2(g) butterfly stages of float32
-adds in a fixed order, then one multiply by 1/sqrt(g) (the float32 entry of rotation.hadamard(g), exact
-for g = 16). rotation.rotate_blocks, both implementations here and therefore the GEMM path use it, so
-a rotated value is the same on every back end (no matmul, whose summation order the compiler picks).
+`hadamard_rotate` is the one definition of the rotation both implementations use: log2(g) butterfly
+stages of float32 adds in a fixed order, then one multiply by 1/sqrt(g) (the float32 entry of
+rotation.hadamard(g), exact for g = 16). It is the same orthonormal map as rotation.rotate_blocks (a
+float32 matmul) but not the same rounding: a matmul's summation order is the library's choice and
+differs between back ends, so no fused kernel can reproduce it bit for bit. The two agree exactly
+whenever the sums are exact, and within a few float32 ulps otherwise.
 
 Exactness of the quantizer does not depend on the platform: rounding is done on integer significands
 (no float rounding, no flush-to-zero), so results equal quantize.py's exact arithmetic everywhere.
@@ -50,7 +52,7 @@ from fp4jax.ops.quantize import (
     scale_exponent,
 )
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
-from fp4jax.ops.rotation import hadamard_rotate
+from fp4jax.ops.rotation import hadamard
 
 OUTPUTS = ("mx", "fp8_fold")
 IMPLS = ("auto", "pallas", "xla")
@@ -63,6 +65,54 @@ _NO_BLOCK = -(2**20)  # below every block exponent: "no non-zero block in this r
 # Largest finite code (sign bit clear) of each element format: the saturation point.
 _MAX_CODE = {"e2m1": 0x7, "e4m3": 0x7E, "e5m2": 0x7B}
 _MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the rotation (one definition, used by every implementation)
+
+
+def hadamard_rotate(
+    v: jax.Array, size: int, sign_row: jax.Array | None = None, *, spelling: str = "slices"
+) -> jax.Array:
+    """Rotates each run of `size` elements along v's last axis by diag(signs) H_size; float32 in and out.
+
+    The definition (the rounding is part of it): v * signs, then for h = 1, 2, 4, ..., size/2 every
+    pair (i, i + h) of each group of 2h becomes (i: a + b, i + h: a - b), each sum rounded once and a
+    zero sum stored as +0; finally times c = hadamard(size)[0, 0] (1/sqrt(size) as float32: exact
+    for 16). No product feeds a sum, so no compiler can contract one into an FMA and change the bits
+    (the sign products are exact). Sums can overflow where the scaled matmul would not: only for
+    |x| near the float32 maximum, and such a block then gets a NaN scale in every implementation.
+    `spelling` only changes how it is written: "slices" (slices and a stack, which XLA fuses into one
+    loop) or "reductions" (sums over a length-2 axis, which Triton keeps in registers and warp
+    shuffles); the two give the same bits (tests/test_fused_quantize.py checks it).
+    """
+    rows, n = v.shape
+    if sign_row is not None:
+        v = v * sign_row  # +-1: exact, and exact even if contracted into the next sum's FMA
+    h = 1
+    while h < size:
+        v3 = v.reshape(rows * n // (2 * h), 2, h)
+        v3 = _butterfly_slices(v3) if spelling == "slices" else _butterfly_reductions(v3)
+        v = v3.reshape(rows, n)
+        h *= 2
+    return v * float(hadamard(size)[0, 0])
+
+
+def _positive_zero(z: jax.Array) -> jax.Array:
+    # A reduction may start from +0 (XLA) or not (Triton): a zero sum is +0 in both spellings.
+    return jnp.where(z == 0, 0.0, z)
+
+
+def _butterfly_slices(v3: jax.Array) -> jax.Array:
+    a, b = v3[:, 0, :], v3[:, 1, :]
+    return jnp.stack([_positive_zero(a + b), _positive_zero(a - b)], axis=1)
+
+
+def _butterfly_reductions(v3: jax.Array) -> jax.Array:
+    first = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1) == 0
+    total = jnp.sum(v3, axis=1, keepdims=True)  # a + b
+    difference = jnp.sum(jnp.where(first, v3, -v3), axis=1, keepdims=True)  # a + (-b): exact negation
+    return _positive_zero(jnp.where(first, total, difference))
 
 
 # ----------------------------------------------------------------------------------------------------
