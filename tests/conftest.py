@@ -42,6 +42,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
 
+# The tiny training runs' session fixtures (tests/tiny_runs.py), defined once here so that every module
+# shares one token cache, one compilation cache and one finished run (imported into a test module instead,
+# each module would get its own).
+from tiny_runs import good_run, good_run_result, token_cache, xla_cache  # noqa: E402, F401
+
 
 def pytest_report_header(config):
     d = jax.devices()

@@ -18,15 +18,14 @@ import jax
 import numpy as np
 import pytest
 from tiny_runs import (
+    BYTES_CLI,
     ROOT,
     cli_args,
     compare,
     compilation_cache,
     error_lines,
     tiny_config,
-    token_cache,
     train_losses,
-    xla_cache,
     xla_cache_env,
 )
 
@@ -35,14 +34,7 @@ from fp4jax.training import checkpoint, integrity, trainer
 from fp4jax.training.metrics import read_metrics
 from fp4jax.training.preemption import StopSignals
 
-FIXTURES = (compilation_cache, token_cache, xla_cache)  # pytest finds them here
-
-
-@pytest.fixture(scope="module")
-def good_run(tmp_path_factory, token_cache):
-    workdir = tmp_path_factory.mktemp("good")
-    trainer.train(tiny_config(token_cache), str(workdir))
-    return workdir
+FIXTURES = (compilation_cache,)  # pytest finds it here (the session's tiny-run fixtures: conftest.py)
 
 
 @pytest.fixture
@@ -179,8 +171,9 @@ def test_nan_exits_3_with_what_is_known_and_writes_the_summary(tmp_path, token_c
 
 
 def test_sigint_saves_exits_0_and_resumes_with_the_same_losses(tmp_path, good_run, token_cache, xla_cache):
-    """The real command line in a subprocess; SIGINT once 2 updates are logged: save, exit 0, resumable."""
-    cmd = [sys.executable, "-m", "fp4jax.train", *cli_args(tmp_path, token_cache, steps=100_000)]
+    """The command line in a subprocess (`python -m fp4jax.train` with the byte-level tokenizer of these
+    runs: tiny_runs.BYTES_CLI); SIGINT once 2 updates are logged: save, exit 0, resumable."""
+    cmd = [sys.executable, "-c", BYTES_CLI, *cli_args(tmp_path, token_cache, steps=100_000)]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=xla_cache_env(xla_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

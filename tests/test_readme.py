@@ -21,8 +21,19 @@ def test_readme_has_the_examples():
         assert name in code, name
 
 
+@pytest.fixture
+def quick_compiles():
+    """XLA without most of its optimisations: the examples run eagerly, op by op, and each of their few
+    hundred ops is compiled on its own (most of the test's time). What is checked here is that the code
+    runs as written; the numerics of the same calls are tested, optimised, elsewhere."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.mark.parametrize("index", range(len(_python_blocks(README.read_text()))))
-def test_readme_python_block_runs(index):
+def test_readme_python_block_runs(index, quick_compiles):
     namespace = {}
     code = _python_blocks(README.read_text())[index]
     exec(compile(code, f"README.md python block {index}", "exec"), namespace)

@@ -18,9 +18,7 @@ from tiny_runs import (
     compare,
     compilation_cache,
     tiny_config,
-    token_cache,
     train_losses,
-    xla_cache,
 )
 
 from fp4jax.models.sharding import MESH_AXES, make_mesh, sharding_context
@@ -31,7 +29,7 @@ from fp4jax.training.divergence import DivergenceGuard
 from fp4jax.training.metrics import read_metrics
 from fp4jax.training.optimizer import lr_schedule, make_optimizer, mlperf_lr
 
-FIXTURES = (compilation_cache, token_cache, xla_cache)  # pytest finds them here
+FIXTURES = (compilation_cache,)  # pytest finds it here (the session's tiny-run fixtures: conftest.py)
 
 # ------------------------------------------------------------------------------------------- optimizer
 
@@ -92,28 +90,30 @@ def test_sharded_train_step_matches_unsharded(token_cache):
 # ---------------------------------------------------------------------------- runs and checkpoints
 
 
-def test_run_lowers_loss_resumes_bit_identically_and_summarises(tmp_path, token_cache):
+def test_run_lowers_loss_resumes_bit_identically_and_summarises(tmp_path, token_cache, good_run_result):
+    """The full run is the session's tiny_runs.good_run (train(tiny_config(token_cache)), which the fault
+    tests only copy), with the summary train() returned."""
     config = tiny_config(token_cache)
-    full = train(config, str(tmp_path / "full"))
-    records = read_metrics(str(tmp_path / "full"))
-    losses = train_losses(tmp_path / "full")
+    good_run, full = good_run_result
+    records = read_metrics(str(good_run))
+    losses = train_losses(good_run)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.3
     assert [r["step"] for r in records if "eval_loss" in r] == [4]
-    with open(tmp_path / "full" / "summary.json") as f:
+    with open(good_run / "summary.json") as f:
         assert json.load(f) == full
     assert full["status"] == "not_reached" and full["tokens"] == 6 * 8 * 32 and full["seed"] == 0
-    assert full["tokens_to_target"] is None and full["diverged_step"] is None  # target 7.5 is not reached
+    assert full["tokens_to_target"] is None and full["diverged_step"] is None  # target 2.0 is not reached
     assert full["evals"] == [[4, 32, 4 * 8 * 32, records[4]["eval_loss"]]]
     assert full["last_finite_losses"] == [[s + 1, loss] for s, loss in enumerate(losses)]
     rates = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
     assert full["tokens_per_s_median"] == pytest.approx((rates[2] + rates[3]) / 2)
-    assert any(name.startswith("events") for name in os.listdir(tmp_path / "full" / "tensorboard"))
+    assert any(name.startswith("events") for name in os.listdir(good_run / "tensorboard"))
 
     # Stopped after step 3 (between checkpoints 2 and 4), then restarted with the full budget.
     train(tiny_config(token_cache, steps=3), str(tmp_path / "resumed"))
     assert sorted(checkpoint.make_manager(str(tmp_path / "resumed"), keep=3).all_steps()) == [2, 3]
     resumed = train(config, str(tmp_path / "resumed"))
-    assert compare(tmp_path / "resumed") == compare(tmp_path / "full")
+    assert compare(tmp_path / "resumed") == compare(good_run)
     assert resumed["evals"] == full["evals"] and resumed["resumed_from_step"] == 3
     assert resumed["last_finite_losses"] == full["last_finite_losses"]  # the guard's window is checkpointed
 

@@ -3,14 +3,29 @@
 The tiny_c4 set-up (configs/tiny_c4_h16.py) shrunk: recipe fp8_delayed (its amax histories are train state
 that must survive a resume), 32-token sequences, batch 8, a handful of steps. Runs of one program (new jit
 objects each) compile once through a persistent XLA cache, the CLI subprocesses too.
+
+The runs of these modules read the bundled C4 sample as bytes (`bytes_tokenizer`: 257 ids, a 384-row
+embedding and LM head instead of GPT-2's 50,304): the vocabulary's size is not what they test, and at
+GPT-2's it is most of each run's time and of each checkpoint's 77 MB. The module fixture
+`compilation_cache` puts it in place of the trainer's tokenizer; `BYTES_CLI` does the same in a
+subprocess. Byte-level losses start at ln 384 = 5.96, below the tiny set-up's target of 7.5, so these
+runs' target is 2.0 (BYTES_OVERRIDES), which 6 updates do not reach. Training with the GPT-2 tokenizer is
+still tested: tests/test_ladder.py (real `python -m fp4jax.train` subprocesses), tests/test_selfcheck.py.
+
+Session fixtures (one token cache, compilation cache and finished run for every module) are registered in
+conftest.py; a module that trains imports `compilation_cache`.
 """
 
+import contextlib
 import os
 
 import jax
 import pytest
+import tiktoken
 
 from fp4jax.configs import ladder
+from fp4jax.data.tokenizers import GPT2_PAT, Tokenizer
+from fp4jax.training import setup, trainer
 from fp4jax.training.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,12 +49,34 @@ TINY_OVERRIDES = {
     "progress_bar": False,
     "data.num_threads": 1,
 }
+# Byte-level runs only (see above): a target the tiny runs do not reach.
+BYTES_OVERRIDES = {"target_eval_loss": 2.0}
+
+
+def bytes_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer: ids 0-255 are the bytes, 256 ends a document."""
+    encoding = tiktoken.Encoding(
+        "bytes",
+        pat_str=GPT2_PAT,
+        mergeable_ranks={bytes([i]): i for i in range(256)},
+        special_tokens={"<|endoftext|>": 256},
+    )
+    return Tokenizer("bytes", encoding, eod_id=256, bos_id=None, file="", fingerprint="bytes-256")
+
+
+# `python -m fp4jax.train ARGS` (runpy runs the module as -m does) with the byte-level tokenizer.
+BYTES_CLI = (
+    "import runpy, sys; import tiny_runs; from fp4jax.training import setup; "
+    "setup.load_tokenizer = lambda spec: tiny_runs.bytes_tokenizer(); "
+    "runpy.run_module('fp4jax.train', run_name='__main__', alter_sys=True)"
+)
 
 
 def tiny_config(token_cache, **overrides):
     """The tiny config with TINY_OVERRIDES, then `overrides` (dotted keys: **{"data.path": p})."""
     c = ladder.rung("tiny_c4", "mxfp4_full_h16")
-    for key, value in {**TINY_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}.items():
+    values = {**TINY_OVERRIDES, **BYTES_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}
+    for key, value in values.items():
         *parents, leaf = key.split(".")
         node = c
         for parent in parents:
@@ -49,7 +86,7 @@ def tiny_config(token_cache, **overrides):
 
 
 def cli_args(workdir, token_cache, **overrides) -> list[str]:
-    values = {**TINY_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}
+    values = {**TINY_OVERRIDES, **BYTES_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}
     return ["--config", CONFIG, "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in values.items()]
 
 
@@ -68,8 +105,15 @@ def error_lines(capsys) -> list[str]:
 
 
 def xla_cache_env(xla_cache) -> dict:
+    """The environment of a trainer subprocess: the tests' compilation cache, and tiny_runs importable
+    (BYTES_CLI)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     return dict(
-        os.environ, JAX_COMPILATION_CACHE_DIR=str(xla_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(xla_cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        PYTHONPATH=path,
     )
 
 
@@ -83,16 +127,45 @@ def xla_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("xla_cache")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(xla_cache):
-    """Train runs of one program compile once; the previous settings are restored for other modules."""
+@contextlib.contextmanager
+def tiny_run_settings(xla_cache):
+    """The compilation cache of the tiny runs and the byte-level tokenizer; the previous settings are
+    restored on leaving."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
     cc.reset_cache()
     jax.config.update("jax_compilation_cache_dir", str(xla_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    yield
-    jax.config.update("jax_compilation_cache_dir", old[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
-    cc.reset_cache()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(setup, "load_tokenizer", lambda spec: bytes_tokenizer())
+            yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+        cc.reset_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(xla_cache):
+    """Train runs of one program compile once, with the byte-level tokenizer (tiny_run_settings); the
+    previous settings are restored for other modules."""
+    with tiny_run_settings(xla_cache):
+        yield
+
+
+@pytest.fixture(scope="session")
+def good_run_result(tmp_path_factory, token_cache, xla_cache):
+    """One finished tiny run (checkpoints 2, 4, 6; an evaluation at 4) and the summary train() returned,
+    shared: tests read the run or copy it, never change it. (Session-scoped fixtures are set up before
+    module-scoped ones: it applies the tiny runs' settings itself.)"""
+    workdir = tmp_path_factory.mktemp("good")
+    with tiny_run_settings(xla_cache):
+        summary = trainer.train(tiny_config(token_cache), str(workdir))
+    return workdir, summary
+
+
+@pytest.fixture(scope="session")
+def good_run(good_run_result):
+    return good_run_result[0]
