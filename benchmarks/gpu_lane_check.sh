@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 logs="${OUT:-gpu_lane_logs}"
 mkdir -p "$logs"
-export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -1,7 +1,7 @@
 """Test set-up for the two lanes (docs/testing.md).
 
 CPU lane (the default, what CI runs): 8 fake CPU devices, so sharding is exercised on every machine.
-GPU lane (`JAX_PLATFORMS=cuda` or `rocm`): the real devices as they are; XLA's GPU ops are made
+GPU lane (`JAX_PLATFORMS=cuda,cpu` or `rocm,cpu`): the real devices as they are; XLA's GPU ops are made
 deterministic (scatter-adds otherwise use atomics, so the same run twice could differ in its last bits)
 and memory is allocated on demand, so that subprocesses a test starts can have some too.
 Both lanes: a persistent XLA compilation cache for the session (below).

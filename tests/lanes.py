@@ -1,7 +1,7 @@
 """What differs between the two test lanes, stated once and applied only where it holds.
 
 - CPU lane (the default, what CI runs): 8 fake CPU devices (conftest.py), IEEE float32 accumulation.
-- GPU lane (`JAX_PLATFORMS=cuda` or `rocm`, see docs/testing.md): the real devices, however many, and
+- GPU lane (`JAX_PLATFORMS=cuda,cpu` or `rocm,cpu`, see docs/testing.md): the real devices, however many, and
   tensor-core GEMMs.
 
 Two things change on a GPU and nothing else may:

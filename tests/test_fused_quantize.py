@@ -359,7 +359,8 @@ def test_impl_env_var(monkeypatch):
         # On this CPU even "pallas" means XLA: the kernels run on NVIDIA GPUs only (interpret mode aside).
         _assert_same(fq.rotate_quantize(x, spec=spec), want)
     monkeypatch.setenv(fq.IMPL_ENV_VAR, "triton")
-    with pytest.raises(ValueError, match=r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla$"):
+    message = r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla$"
+    with pytest.raises(ValueError, match=message):
         fq.rotate_quantize(x, spec=spec)
     with pytest.raises(ValueError, match="unknown quantize impl"):
         fq.choose_impl(x.shape, -1, spec, NO_ROTATION, "mx", setting="fast")

@@ -188,7 +188,8 @@ def _block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
     if spec.prescale == 1:
         top = encode(amax_bits, exponent, fmt, _nearest(spec))
     else:
-        top = encode(_prescaled_bits(amax_bits[:, None], exponent, finite, spec)[:, 0], 0, fmt, _nearest(spec))
+        prescaled = _prescaled_bits(amax_bits[:, None], exponent, finite, spec)[:, 0]
+        top = encode(prescaled, 0, fmt, _nearest(spec))
     nonzero = finite & ((top & _MAGNITUDE_MASK[fmt.name]) > 0)
     return bits, exponent, finite, nonzero
 
@@ -385,9 +386,8 @@ def pallas_supports(
     column = axis % len(shape) == len(shape) - 2
     out_rows, n = (shape[-1], shape[-2]) if column else (shape[-2], shape[-1])
     multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
-    return (
-        out_rows % PALLAS_ROW_MULTIPLE == 0 and n % PALLAS_COL_MULTIPLE == 0 and multiple <= PALLAS_COL_MULTIPLE
-    )
+    full_tiles = out_rows % PALLAS_ROW_MULTIPLE == 0 and n % PALLAS_COL_MULTIPLE == 0
+    return full_tiles and multiple <= PALLAS_COL_MULTIPLE
 
 
 def choose_impl(
