@@ -11,11 +11,10 @@ import jax
 import lanes
 import numpy as np
 import pytest
-import tiktoken
 from jax.sharding import Mesh
+from tiny_runs import bytes_tokenizer
 
 from fp4jax.configs import ladder
-from fp4jax.data.tokenizers import GPT2_PAT, Tokenizer
 from fp4jax.models.sharding import (
     MESH_AXES,
     data_parallel_size,
@@ -42,17 +41,6 @@ needs_meshes = pytest.mark.skipif(
 )
 
 
-def _bytes_tokenizer() -> Tokenizer:
-    """A byte-level tokenizer: ids 0-255 are the bytes, 256 ends a document."""
-    encoding = tiktoken.Encoding(
-        "bytes",
-        pat_str=GPT2_PAT,
-        mergeable_ranks={bytes([i]): i for i in range(256)},
-        special_tokens={"<|endoftext|>": 256},
-    )
-    return Tokenizer("bytes", encoding, eod_id=256, bos_id=None, file="", fingerprint="bytes-256")
-
-
 def _config(recipe: str, **top):
     c = ladder.rung("tiny_c4", recipe)
     c.model.update(dtype="float32", remat="none")
@@ -67,7 +55,7 @@ def _train_steps(config, mesh, batches, initial_state=None):
     """Losses of len(batches) updates and the final params, on `mesh`, from the trainer's initial state
     or from `initial_state` (a host copy) laid out as the trainer would lay it out on this mesh."""
     with sharding_context(mesh):
-        model, _ = setup.build_model(config, _bytes_tokenizer())
+        model, _ = setup.build_model(config, bytes_tokenizer())
         tx, schedule = make_optimizer(config.optimizer)
         if initial_state is None:
             state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
@@ -129,7 +117,7 @@ def test_checkpoint_from_one_mesh_resumes_on_another(tmp_path, monkeypatch):
     """A run saved at step 3 on one mesh resumes on the mesh that shards every axis (the bundled C4 sample,
     byte-level tokens) and goes on as the run that never stopped. (Both meshes' train steps are the ones
     test_every_mesh_trains_like_one_device compiled: the session's compilation cache has them.)"""
-    monkeypatch.setattr(setup, "load_tokenizer", lambda spec: _bytes_tokenizer())
+    monkeypatch.setattr(setup, "load_tokenizer", lambda spec: bytes_tokenizer())
     first, last = MESHES[len(DEVICES)][1:]
 
     def config(steps, mesh):
