@@ -1,5 +1,9 @@
 """Rotate + quantize (+ fold) in one pass: what the GEMM back ends consume, straight from x.
 
+Not used by mx_dot_general today: wired in, its XLA formulation made the 1B mxfp4_full_h16 step on an
+H200 0.74x as fast as quantize-then-fold (docs/performance.md), so the GEMMs keep the reference path
+until a faster formulation (the Pallas kernels, timed inside a step) is measured.
+
 `rotate_quantize(x, axis=..., spec=..., rotation=..., out=...)` applies the block Hadamard rotation,
 picks the MX block scales, rounds, and writes either
 
