@@ -330,10 +330,10 @@ def test_choose_impl_takes_pallas_only_where_asked_and_supported(monkeypatch):
     spec = QuantSpec(kind="mx", scale_mode="even")
     here = dict(device=H200, device_count=1)
 
-    def choose(shape=(2, 256, 512), axis=-1, spec=spec, rotation=H16, out="mx", setting="pallas", **kw):
-        return fq.choose_impl(shape, axis, spec, rotation, out, setting=setting, **{**here, **kw})
+    def choose(shape=(2, 256, 512), axis=-1, spec=spec, rotation=H16, setting="pallas", **kw):
+        return fq.choose_impl(shape, axis, spec, rotation, setting=setting, **{**here, **kw})
 
-    assert choose() == "pallas" and choose(axis=-2, out="fp8_fold") == "pallas"
+    assert choose() == "pallas" and choose(axis=-2) == "pallas"
     assert choose(setting="xla") == "xla"
     assert choose(setting="auto") == ("pallas" if fq.AUTO_PREFERS_PALLAS else "xla")
     monkeypatch.setattr(fq, "AUTO_PREFERS_PALLAS", True)
@@ -363,4 +363,4 @@ def test_impl_env_var(monkeypatch):
     with pytest.raises(ValueError, match=message):
         fq.rotate_quantize(x, spec=spec)
     with pytest.raises(ValueError, match="unknown quantize impl"):
-        fq.choose_impl(x.shape, -1, spec, NO_ROTATION, "mx", setting="fast")
+        fq.choose_impl(x.shape, -1, spec, NO_ROTATION, setting="fast")

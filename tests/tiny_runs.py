@@ -72,11 +72,15 @@ BYTES_CLI = (
 )
 
 
+def _settings(token_cache, overrides: dict) -> dict:
+    """The dotted config keys every tiny run sets: TINY_OVERRIDES, BYTES_OVERRIDES, the cache, then yours."""
+    return {**TINY_OVERRIDES, **BYTES_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}
+
+
 def tiny_config(token_cache, **overrides):
     """The tiny config with TINY_OVERRIDES, then `overrides` (dotted keys: **{"data.path": p})."""
     c = ladder.rung("tiny_c4", "mxfp4_full_h16")
-    values = {**TINY_OVERRIDES, **BYTES_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}
-    for key, value in values.items():
+    for key, value in _settings(token_cache, overrides).items():
         *parents, leaf = key.split(".")
         node = c
         for parent in parents:
@@ -86,7 +90,7 @@ def tiny_config(token_cache, **overrides):
 
 
 def cli_args(workdir, token_cache, **overrides) -> list[str]:
-    values = {**TINY_OVERRIDES, **BYTES_OVERRIDES, "data.cache_dir": str(token_cache), **overrides}
+    values = _settings(token_cache, overrides)
     return ["--config", CONFIG, "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in values.items()]
 
 

@@ -61,6 +61,13 @@ SMALL_MODEL_REMAT = "minimal"
 PROXY_EVALS = 50  # evaluations per run: one every 2 %
 
 
+def small_model(size: str) -> ml_collections.ConfigDict:
+    """base.model_config(size) with the single-GPU set-ups' remat policy (SMALL_MODEL_REMAT)."""
+    model = base.model_config(size)
+    model.remat = SMALL_MODEL_REMAT
+    return model
+
+
 def c4_8b() -> ml_collections.ConfigDict:
     """MLPerf llama3.1_8b: batch 32 x 8192, eval every 384 steps, target 3.3 (see base)."""
     return base.get_config()
@@ -69,8 +76,7 @@ def c4_8b() -> ml_collections.ConfigDict:
 def pg_125m() -> ml_collections.ConfigDict:
     """125M on pg_en: 32 x 1024 tokens/step, 2,000 steps (65.5M tokens), eval every 200 steps."""
     c = base.get_config()
-    c.model = base.model_config("125m")
-    c.model.remat = SMALL_MODEL_REMAT
+    c.model = small_model("125m")
     c.mesh.update(data=-1, fsdp=1, tensor=1)
     c.data = base.default_data_config()
     c.data.update(
@@ -88,8 +94,7 @@ def pg_125m() -> ml_collections.ConfigDict:
 def pg_1b() -> ml_collections.ConfigDict:
     """The "1b" Llama on pg_en: 16 x 2048 tokens/step, 3,000 steps (98.3M tokens), eval every 200 steps."""
     c = pg_125m()
-    c.model = base.model_config("1b")
-    c.model.remat = SMALL_MODEL_REMAT
+    c.model = small_model("1b")
     c.seq_len, c.global_batch = 2048, 16
     c.steps = 3000
     c.optimizer.update(peak_lr=6e-4, warmup_steps=200, lr_decay_steps=3000)
@@ -120,8 +125,7 @@ def proxy(size: str, corpus: str) -> ml_collections.ConfigDict:
     if corpus not in ("pg_en", "c4"):
         raise ValueError(f"unknown proxy corpus {corpus!r}: use 'pg_en' or 'c4'")
     c = pg_125m()
-    c.model = base.model_config(size)
-    c.model.remat = SMALL_MODEL_REMAT
+    c.model = small_model(size)
     if corpus == "c4":  # allenai/c4 en files under data.path; the default globs of fp4jax.data
         c.data = base.default_data_config()
         c.data.path = "data/c4_en"

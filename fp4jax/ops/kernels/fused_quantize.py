@@ -33,7 +33,7 @@ Stochastic rounding and prescale run on the XLA path only (SR's random bits are 
 reference's shape, so it matches quantize_mx bit for bit); impl="pallas" with either is an error.
 
 Which implementation: impl="auto" asks `choose_impl` (XLA unless FP4JAX_QUANTIZE_IMPL=pallas; Pallas
-only where `pallas_supports`); mx_dot_general quantizes every MX operand through here with "auto".
+only where `pallas_supports`).
 """
 
 from __future__ import annotations
@@ -372,7 +372,7 @@ def impl_setting() -> str:
 
 
 def pallas_supports(
-    shape, axis: int, spec: QuantSpec, rotation: RotationSpec, out: str, *, device=None, device_count=None
+    shape, axis: int, spec: QuantSpec, rotation: RotationSpec, *, device=None, device_count=None
 ) -> bool:
     """Whether the Pallas (Triton) kernels can run this quantization here.
 
@@ -394,10 +394,8 @@ def pallas_supports(
     return full_tiles and multiple <= PALLAS_COL_MULTIPLE
 
 
-def choose_impl(
-    shape, axis: int, spec: QuantSpec, rotation: RotationSpec, out: str, *, setting=None, **where
-) -> str:
-    """The implementation rotate_quantize(impl="auto") and mx_dot_general use: "xla" or "pallas".
+def choose_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, *, setting=None, **where) -> str:
+    """The implementation rotate_quantize(impl="auto") uses: "xla" or "pallas" (either output form).
 
     setting (default: the environment, `impl_setting`): "xla" always XLA; "pallas" the kernels wherever
     `pallas_supports` says they run, XLA elsewhere; "auto" the same as "pallas" if AUTO_PREFERS_PALLAS,
@@ -408,7 +406,7 @@ def choose_impl(
     if setting not in IMPLS:
         raise ValueError(f"unknown quantize impl {setting!r}: use one of {', '.join(IMPLS)}")
     wants_pallas = setting == "pallas" or (setting == "auto" and AUTO_PREFERS_PALLAS)
-    if wants_pallas and pallas_supports(shape, axis, spec, rotation, out, **where):
+    if wants_pallas and pallas_supports(shape, axis, spec, rotation, **where):
         return "pallas"
     return "xla"
 
@@ -442,7 +440,7 @@ def rotate_quantize(
         raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
     column = axis % x.ndim == x.ndim - 2
     if impl == "auto":
-        impl = choose_impl(x.shape, axis, spec, rotation, out)
+        impl = choose_impl(x.shape, axis, spec, rotation)
     return _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret)
 
 
