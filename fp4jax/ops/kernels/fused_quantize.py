@@ -48,6 +48,7 @@ from jax import lax
 from fp4jax.ops import formats
 from fp4jax.ops.formats import ElemFormat, get_elem_format
 from fp4jax.ops.kernels import backends, fold
+from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, e2m1_value, encode, f32_bits
 from fp4jax.ops.quantize import (
     MXArray,
     _mul_pow2,  # the reference's exact scaling: SR shares it on purpose
@@ -63,12 +64,8 @@ IMPLS = ("auto", "pallas", "xla")
 
 _ABS_MASK = 0x7FFFFFFF
 _INF_BITS = 0x7F800000
-_MANTISSA_MASK = 0x7FFFFF
 _E4M3FN_NAN = 0x7F
 _NO_BLOCK = -(2**20)  # below every block exponent: "no non-zero block in this row"
-# Largest finite code (sign bit clear) of each element format: the saturation point.
-_MAX_CODE = {"e2m1": 0x7, "e4m3": 0x7E, "e5m2": 0x7B}
-_MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,61 +117,12 @@ def _butterfly_reductions(v3: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------------
-# exact integer encoding onto an element grid
-
-
-def _f32_bits(v: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(v, jnp.int32)
-
-
-def _floor_log2_abs(bits: jax.Array) -> jax.Array:
-    """floor(log2|x|) of float32 bits, subnormals included (the int -> float32 convert is exact)."""
-    biased = (bits >> 23) & 0xFF
-    mantissa = bits & _MANTISSA_MASK
-    of_subnormal = ((_f32_bits(mantissa.astype(jnp.float32)) >> 23) & 0xFF) - 127 - 149
-    return jnp.where(biased == 0, of_subnormal, biased - 127)
-
-
-def encode(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, rounding: str) -> jax.Array:
-    """The element code (sign included) of RN(|x| / 2^exponent) on fmt's grid, saturated; int32.
-
-    x is given by its float32 bits (finite), exponent is an int32 in [-127, 127]. The scaled value
-    |x| 2^-exponent = sig 2^(lo - exponent) is rounded by shifting the integer significand sig right by
-    sh bits, so the result is exact on every back end. Code = units + (q - emin) 2^m, q the binade.
-    """
-    biased = (bits >> 23) & 0xFF
-    mantissa = bits & _MANTISSA_MASK
-    sig = jnp.where(biased == 0, mantissa, mantissa | 0x800000)
-    lo = jnp.where(biased == 0, -149, biased - 150)
-    q = jnp.maximum(_floor_log2_abs(bits) - exponent, fmt.emin)
-    # units = sig * 2^-sh; sh >= 1 always (the scaled value is < 2^(emax+1)); beyond 31 it rounds to 0.
-    sh = jnp.clip(q + exponent - fmt.mantissa_bits - lo, 1, 31)
-    units = sig >> sh
-    rest = sig & ((1 << sh) - 1)
-    half = 1 << (sh - 1)
-    if rounding == "nearest_even":
-        up = (rest > half) | ((rest == half) & ((units & 1) == 1))
-    elif rounding == "nearest_away":
-        up = rest >= half
-    else:
-        raise ValueError(f"encode rounds nearest_even or nearest_away, got {rounding!r}")
-    code = units + up.astype(jnp.int32) + ((q - fmt.emin) << fmt.mantissa_bits)
-    code = jnp.minimum(code, _MAX_CODE[fmt.name])
-    sign_shift = 3 if fmt.name == "e2m1" else 7
-    return code | ((bits >> 31) & 1) << sign_shift
+# the stochastic path's encoding
 
 
 def _encode_grid_value(magnitude: jax.Array, x_bits: jax.Array, fmt: ElemFormat) -> jax.Array:
     """The code of a non-negative float32 already on fmt's grid, with x's sign (stochastic path)."""
-    return encode(_f32_bits(magnitude) | (x_bits & -0x80000000), jnp.zeros_like(x_bits), fmt, "nearest_even")
-
-
-def _e2m1_value(code: jax.Array) -> jax.Array:
-    """|E2M1 value| of a code as float32: 0, .5, 1, 1.5 (codes 0-3), then (2 + odd) 2^(code/2 - 2)."""
-    mag = code & 0x7
-    small = mag.astype(jnp.float32) * 0.5
-    large = (2 + (mag & 1)).astype(jnp.float32) * pow2((mag >> 1) - 2)
-    return jnp.where(mag < 4, small, large)
+    return encode(f32_bits(magnitude) | (x_bits & -0x80000000), jnp.zeros_like(x_bits), fmt, "nearest_even")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -183,7 +131,7 @@ def _e2m1_value(code: jax.Array) -> jax.Array:
 
 def _block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
     """Float32 bits (R, bs), block exponents (R,), finite (R,), non-zero after rounding (R,)."""
-    bits = _f32_bits(v.reshape(-1, spec.block_size))
+    bits = f32_bits(v.reshape(-1, spec.block_size))
     amax_bits = jnp.max(bits & _ABS_MASK, axis=-1)
     finite = amax_bits < _INF_BITS
     exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, spec.scale_mode)
@@ -194,7 +142,7 @@ def _block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
     else:
         prescaled = _prescaled_bits(amax_bits[:, None], exponent, finite, spec)[:, 0]
         top = encode(prescaled, 0, fmt, _nearest(spec))
-    nonzero = finite & ((top & _MAGNITUDE_MASK[fmt.name]) > 0)
+    nonzero = finite & ((top & MAGNITUDE_MASK[fmt.name]) > 0)
     return bits, exponent, finite, nonzero
 
 
@@ -207,7 +155,7 @@ def _prescaled(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
 
 def _prescaled_bits(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
     """The bits of _prescaled with x's own sign bit (quantize_mx signs its result from x)."""
-    return (_f32_bits(_prescaled(bits, exponent, finite, spec)) & _ABS_MASK) | (bits & -0x80000000)
+    return (f32_bits(_prescaled(bits, exponent, finite, spec)) & _ABS_MASK) | (bits & -0x80000000)
 
 
 def _nearest(spec: QuantSpec) -> str:
@@ -221,7 +169,7 @@ def _quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, key=None, bit
     bits, exponent, finite, nonzero = _block_info(v, fmt, spec)
     if spec.rounding == "stochastic":
         codes = _stochastic_codes(bits, exponent, finite, fmt, spec, key, bits_shape)
-        nonzero = finite & (jnp.max(codes & _MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
+        nonzero = finite & (jnp.max(codes & MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
     elif spec.prescale != 1:  # XLA path only: the value is rounded once by the multiply, then encoded
         codes = encode(_prescaled_bits(bits, exponent, finite, spec), 0, fmt, spec.rounding)
     else:
@@ -255,8 +203,8 @@ def _fold_codes(codes, exponent, nonzero, row_top, nan_row, shift: int):
     delta = exponent - row_top
     in_window = delta >= -fold.WINDOW
     factor = pow2(jnp.clip(delta, -fold.WINDOW, 0) + shift)
-    value = _e2m1_value(codes) * factor[:, None]
-    signed = _f32_bits(value) | ((codes & 0x8) << 28)
+    value = e2m1_value(codes) * factor[:, None]
+    signed = f32_bits(value) | ((codes & 0x8) << 28)
     folded = encode(signed, jnp.zeros_like(signed), formats.E4M3, "nearest_even")
     folded = jnp.where(in_window[:, None], folded, 0)
     folded = jnp.where(nan_row[:, None], _E4M3FN_NAN, folded)
