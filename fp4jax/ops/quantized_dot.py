@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.ops import quantize
-from fp4jax.ops.kernels import backends, fold
+from fp4jax.ops.kernels import backends
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import random_signs, rotate_blocks
 
@@ -93,16 +93,10 @@ def _normalize_dims(dimension_numbers) -> Dims:
 # one quantized GEMM
 
 
-def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale, fold_into=None):
-    """Quantizes a (B, F, C) operand along C; a plain operand passes through unchanged.
-
-    With `fold_into` (an E4M3 dtype) and a spec that fold.can_quantize_fold, the result is the fp8 back
-    end's folded operand, made straight from x (the same bits as quantizing, then folding).
-    """
+def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
+    """Quantizes a (B, F, C) operand along C; a plain operand passes through unchanged."""
     if spec.kind == "none":
         return x
-    if fold_into is not None and fold.can_quantize_fold(spec):
-        return fold.quantize_fold(x, spec, fp8_dtype=fold_into)
     if spec.kind == "fp8":
         return quantize.quantize_fp8(x, elem=spec.elem, scale=fp8_scale)
     return quantize.quantize_mx(
@@ -142,22 +136,6 @@ def _dot_precision(gemm: GemmSpec, precision):
     return jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else precision
 
 
-def _fold_target(gemm: GemmSpec, backend: str):
-    """The E4M3 dtype to fold this GEMM's MX operands into as they are quantized, or None.
-
-    Only when the fp8 back end will run the GEMM as one FP8 GEMM anyway (backends.fp8_supports): both
-    operands MX E2M1, or one MX E2M1 and one OCP FP8 on a device whose fold writes OCP E4M3.
-    """
-    if backend != "fp8":
-        return None
-    fp8_dtype = backends.device_fold_dtype()
-    ocp = jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    mx4 = [spec.kind == "mx" and spec.elem == "e2m1" for spec in (gemm.lhs, gemm.rhs)]
-    fp8 = [spec.kind == "fp8" and ocp for spec in (gemm.lhs, gemm.rhs)]
-    runs_as_fp8 = (mx4[0] and (mx4[1] or fp8[1])) or (mx4[1] and fp8[0])
-    return fp8_dtype if runs_as_fp8 else None
-
-
 def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
     """out[b, m, n] = sum_k a[b, m, k] c[b, n, k], each operand rotated and quantized along k."""
     a = _pad_contraction(a, gemm.contraction_multiple)
@@ -167,9 +145,8 @@ def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> 
         signs = _rotation_signs(gemm.rotation, rotation_key)
         a = rotate_blocks(a, axis=-1, size=gemm.rotation.size, signs=signs)
         c = rotate_blocks(c, axis=-1, size=gemm.rotation.size, signs=signs)
-    fold_into = _fold_target(gemm, backend)
-    qa = quantize_operand(a, gemm.lhs, a_key, fp8_scales[0], fold_into)
-    qc = quantize_operand(c, gemm.rhs, c_key, fp8_scales[1], fold_into)
+    qa = quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
+    qc = quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
     out = backends.matmul(qa, qc, backend=backend, precision=_dot_precision(gemm, precision))
     prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the product
     return out if prescale == 1 else out / prescale

@@ -283,16 +283,14 @@ def _native(a: MXArray, c: MXArray) -> jax.Array:
 
 
 @functools.cache
-def device_fold_dtype() -> Any:
-    """The E4M3 variant the fp8 back end folds into on this process's device (cached)."""
+def _device_fold_dtype() -> Any:
     return fold_dtype(describe_device())
 
 
 def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
     """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1, blocks
-    on K) or already folded (fold.FoldedOperand), or one of those and one OCP FP8Array (not on FNUZ
-    devices, which do not mix the two)."""
-    a_fold, c_fold = (fold.is_foldable(x) or isinstance(x, fold.FoldedOperand) for x in (a, c))
+    on K), or one foldable MX and one OCP FP8Array (not on FNUZ devices, which do not mix the two)."""
+    a_fold, c_fold = fold.is_foldable(a), fold.is_foldable(c)
     if a_fold and c_fold:
         return True
     ocp = jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e4m3fn)
@@ -303,7 +301,7 @@ def _fold_or_fp8(x, fp8_dtype):
     """(FP8 values, int32 row exponents (b, rows) or None, float32 scalar to multiply by or None)."""
     if isinstance(x, FP8Array):
         return x.data, None, 1.0 / x.scale
-    folded = x if isinstance(x, fold.FoldedOperand) else fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
+    folded = fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
     return folded.data, folded.row_exponent, None
 
 
@@ -339,7 +337,7 @@ def matmul(a, c, *, backend: str, precision=None) -> jax.Array:
     if backend == "native" and native_supports(a, c):
         return _native(a, c)
     if backend == "fp8":
-        fp8_dtype = device_fold_dtype()
+        fp8_dtype = _device_fold_dtype()
         if fp8_supports(a, c, fp8_dtype):
             return fp8_matmul(a, c, fp8_dtype)
     return _emulate(a, c, precision)

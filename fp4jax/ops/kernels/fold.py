@@ -18,11 +18,6 @@ the dequantized product would be). The product of two folded operands is then
     out[m, n] = dot_fp8(folded_a[m], folded_c[n]) * 2^row_exponent_a[m] * 2^row_exponent_c[n],
 
 which `backends.fp8_matmul` computes (one FP8 GEMM, the exponents applied to its float32 result).
-
-`quantize_fold(x, spec)` gives the same FoldedOperand as fold_mx_to_fp8(quantize_mx(x, ...spec)), bit for
-bit, straight from the high-precision x: one reduction pass (block maxima, scales, row tops) and one
-elementwise pass (round, fold, cast), with no E2M1 intermediate in memory. The fp8 back end's GEMMs use it
-for every operand quantized with nearest rounding; stochastic rounding and prescale take the two steps.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.ops import formats
-from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, e2m1_value, encode, f32_bits
-from fp4jax.ops.quantize import MXArray, pow2, scale_exponent
+from fp4jax.ops.quantize import MXArray, pow2
 
 # The window below a row's top block that folds exactly, and the shift that puts the top block's largest
 # element (6 * 2^E) at the top of each E4M3 variant: 6 * 2^6 = 384 <= 448, 6 * 2^5 = 192 <= 240.
@@ -145,62 +139,6 @@ def fold_mx_to_fp8(x: MXArray, *, fp8_dtype=jnp.float8_e4m3fn) -> FoldedOperand:
     folded = jnp.where(w.nan_row[..., None], jnp.nan, folded).astype(fp8_dtype)
     row_exponent = jnp.where(w.nan_row, 0, w.row_top[..., 0] - shift).astype(jnp.int32)
     return FoldedOperand(data=folded, row_exponent=row_exponent, flushed_blocks=w.flushed)
-
-
-def can_quantize_fold(spec) -> bool:
-    """Whether `quantize_fold` takes this QuantSpec: MX E2M1, nearest rounding, no prescale."""
-    return (
-        spec.kind == "mx"
-        and spec.elem == "e2m1"
-        and spec.rounding in ("nearest_even", "nearest_away")
-        and spec.prescale == 1
-    )
-
-
-def quantize_fold(x: jax.Array, spec, *, fp8_dtype=jnp.float8_e4m3fn) -> FoldedOperand:
-    """fold_mx_to_fp8(quantize_mx(x, axis=-1, ...spec)), bit for bit, without the E2M1 intermediate.
-
-    `spec` is a recipes.QuantSpec that `can_quantize_fold`; blocks run along x's last axis. The block
-    exponents come from integer maxima of the magnitude bits (exact, NaN/Inf sort above every finite
-    value), the elements are rounded by `codes.encode` (integer, hence the same on every back end), and a
-    block is non-zero iff its largest magnitude rounds to non-zero (rounding is monotone): the rules of
-    quantize_mx and the fold, computed from x in two passes.
-    """
-    if not can_quantize_fold(spec):
-        raise ValueError(
-            f"quantize_fold takes an MX E2M1 spec with nearest rounding and no prescale, got {spec}: "
-            "use fold_mx_to_fp8(quantize_mx(...)) for stochastic rounding or prescale"
-        )
-    if x.shape[-1] % spec.block_size:
-        raise ValueError(
-            f"the last axis has length {x.shape[-1]}, not a multiple of block_size {spec.block_size}: pad it"
-        )
-    fmt = formats.ELEM_FORMATS["e2m1"]
-    shift = fold_shift(fp8_dtype)
-    bits = f32_bits(x.astype(jnp.float32).reshape(*x.shape[:-1], -1, spec.block_size))
-    # Pass 1, on the block maxima only: scales, non-zero blocks, each row's top and NaN rows.
-    amax_bits = jnp.max(bits & 0x7FFFFFFF, axis=-1)
-    finite = amax_bits < 0x7F800000
-    exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, spec.scale_mode)
-    top_code = encode(jnp.where(finite, amax_bits, 0), exponent, fmt, spec.rounding)
-    nonzero_block = finite & ((top_code & MAGNITUDE_MASK["e2m1"]) > 0)
-    row_top = jnp.max(jnp.where(nonzero_block, exponent, _NO_BLOCK), axis=-1, keepdims=True)
-    row_top = jnp.where(row_top == _NO_BLOCK, 0, row_top)
-    nan_row = jnp.any(~finite, axis=-1)
-    delta = exponent - row_top
-    in_window = delta >= -WINDOW
-    # Pass 2, per element: the E2M1 code, its value times 2^(delta + shift) (exact, on the E4M3 grid).
-    codes = encode(bits, exponent[..., None], fmt, spec.rounding)
-    magnitude = e2m1_value(codes) * pow2(jnp.clip(delta, -WINDOW, 0) + shift)[..., None]
-    value = jnp.where((codes & 0x8) != 0, -magnitude, magnitude)
-    folded = jnp.where(in_window[..., None], value, 0.0)
-    folded = jnp.where(nan_row[..., None, None], jnp.nan, folded).reshape(x.shape).astype(fp8_dtype)
-    flushed = nonzero_block & ~in_window & ~nan_row[..., None]
-    return FoldedOperand(
-        data=folded,
-        row_exponent=jnp.where(nan_row, 0, row_top[..., 0] - shift).astype(jnp.int32),
-        flushed_blocks=jnp.sum(flushed.astype(jnp.int32)),
-    )
 
 
 def count_fold_flushes(x: MXArray) -> jax.Array:
