@@ -12,7 +12,8 @@ int32 row exponents), it times
   xla        fused_quantize's XLA formulation,
   pallas     fused_quantize's Triton kernels,
 
-as the median over `--iters` calls, cycling over three different inputs so that nothing stays in L2.
+timed with harness.amortized_seconds (`--iters` back-to-back calls, one wait, median of 5), cycling over
+three different inputs so that nothing stays in L2; `kernels` counts the compiled program's kernels.
 Effective TB/s = (bytes of the bf16 input + bytes of the outputs) / median time; the copy ceiling is a
 plain bf16 `x * 2` (read + write). `same` says whether the result equals, bit for bit, the reference
 path with fused_quantize's rotation (hadamard_rotate, the rotation both fused paths share); `vs matmul`
@@ -45,7 +46,7 @@ def _reference_fn(axis: int, rotation: RotationSpec, out: str, rotate):
 
     def run(x):
         xt = x if axis == -1 else jnp.swapaxes(x, -1, -2)
-        v = xt.astype(jnp.float32)
+        v = xt  # bf16, as quantized_dot rotates it (rotate_blocks: bf16 x bf16 for H16)
         if rotation.kind != "none":
             v = rotate(v, rotation.size)
         mx = quantize.quantize_mx(
@@ -61,7 +62,7 @@ def _matmul_rotate(v, size):
 
 
 def _butterfly_rotate(v, size):
-    return fq.hadamard_rotate(v.reshape(-1, v.shape[-1]), size).reshape(v.shape)
+    return fq.hadamard_rotate(v.astype(jnp.float32).reshape(-1, v.shape[-1]), size).reshape(v.shape)
 
 
 def _fused_fn(axis: int, rotation: RotationSpec, out: str, impl: str):
@@ -98,11 +99,11 @@ def _io_bytes(m: int, k: int, out: str) -> int:
 
 def _copy_ceiling(inputs, iters: int) -> tuple[float, float]:
     """(seconds, TB/s) of a bf16 x * 2: reads and writes 2 bytes per element."""
-    seconds = harness.median_seconds(jax.jit(lambda x: x * 2), [(x,) for x in inputs], iters)
+    seconds = harness.amortized_seconds(jax.jit(lambda x: x * 2), [(x,) for x in inputs], iters)
     return seconds, 4 * inputs[0].size / seconds / 1e12
 
 
-def run(shapes, iters: int) -> list[tuple]:
+def run(shapes, iters: int, impls: list[str]) -> list[tuple]:
     rows = []
     for m, k in shapes:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -113,24 +114,32 @@ def run(shapes, iters: int) -> list[tuple]:
         ]
         seconds, ceiling = _copy_ceiling(inputs, iters)
         print(f"{m}x{k} bf16: copy (x*2) {ceiling:.2f} TB/s", flush=True)
-        rows.append((f"{m}x{k}", "-", "-", "-", "copy x*2", seconds * 1e6, ceiling, "", ""))
+        rows.append((f"{m}x{k}", "-", "-", "-", "copy x*2", seconds * 1e6, ceiling, "", "", 1))
         for rot_name, rotation in ROTATIONS.items():
             for layout, axis in (("row", -1), ("col", -2)):
                 for out in fq.OUTPUTS:
-                    rows += _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters)
+                    rows += _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls)
     return rows
 
 
-def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters):
+def _candidates(axis, rotation, out, impls):
+    """The implementations to time for one case, by name (those that apply to it)."""
+    found = {"reference": _reference_fn(axis, rotation, out, _matmul_rotate)}
+    found["xla"] = _fused_fn(axis, rotation, out, "xla")
+    found["pallas"] = _fused_fn(axis, rotation, out, "pallas")
+    return {name: fn for name, fn in found.items() if name == "reference" or name in impls}
+
+
+def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls):
     rows = []
-    reference = _reference_fn(axis, rotation, out, _matmul_rotate)
     same_rotation = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
-    literal = reference(inputs[0])
-    candidates = {"reference": reference, "xla": _fused_fn(axis, rotation, out, "xla")}
-    candidates["pallas"] = _fused_fn(axis, rotation, out, "pallas")
+    candidates = _candidates(axis, rotation, out, impls)
+    literal = candidates["reference"](inputs[0])
     for impl, fn in candidates.items():
+        kernels_run = 0
         try:
-            seconds = harness.median_seconds(fn, [(x,) for x in inputs], iters)
+            seconds = harness.amortized_seconds(fn, [(x,) for x in inputs], iters)
+            kernels_run = harness.kernel_count(fn, inputs[0])
             result = fn(inputs[0])
             same = "-" if impl == "reference" else ("yes" if _same(result, same_rotation) else "NO")
             differ = f"{_differ_fraction(result, literal):.2e}"
@@ -138,10 +147,10 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters):
         except Exception as e:  # a kernel that fails to compile is a row of the table, not a crash
             print("".join(traceback.format_exception_only(e))[-3000:], flush=True)
             seconds, tbs, same, differ = float("nan"), float("nan"), f"FAILED {type(e).__name__}", ""
-        rows.append((f"{m}x{k}", rot_name, layout, out, impl, seconds * 1e6, tbs, same, differ))
+        rows.append((f"{m}x{k}", rot_name, layout, out, impl, seconds * 1e6, tbs, same, differ, kernels_run))
         print(
-            f"{m}x{k} {rot_name:4s} {layout} {out:8s} {impl:9s} {seconds * 1e6:9.1f} us "
-            f"{tbs:6.2f} TB/s  same={same} vs_matmul={differ}",
+            f"{m}x{k} {rot_name:4s} {layout} {out:8s} {impl:14s} {seconds * 1e6:9.1f} us "
+            f"{tbs:6.2f} TB/s  same={same} vs_matmul={differ} kernels={kernels_run}",
             flush=True,
         )
     return rows
@@ -159,7 +168,7 @@ SWEEP = {
 
 def _time_candidate(fn, inputs, want, m, k, out, iters):
     try:
-        seconds = harness.median_seconds(fn, [(x,) for x in inputs], iters)
+        seconds = harness.amortized_seconds(fn, [(x,) for x in inputs], iters)
         same = "yes" if _same(fn(inputs[0]), want) else "NO"
         return seconds, _io_bytes(m, k, out) / seconds / 1e12, same
     except Exception as e:
@@ -186,7 +195,7 @@ def sweep(m: int, k: int, iters: int) -> list[tuple]:
             fq._rotate_quantize.clear_cache()  # tiles and methods are read when the kernel is traced
             fn = _fused_fn(axis, rotation, out, "pallas")
             seconds, tbs, same = _time_candidate(fn, inputs, want, m, k, out, iters)
-            rows.append((f"{m}x{k}", "H16", layout, out, name, seconds * 1e6, tbs, same, ""))
+            rows.append((f"{m}x{k}", "H16", layout, out, name, seconds * 1e6, tbs, same, "", 0))
             print(f"sweep {m}x{k} {layout} {out:8s} {name:18s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s")
         kernels.TILES[out, column], kernels.FOLD_METHOD[column] = default_tile, default_method
         fq._rotate_quantize.clear_cache()
@@ -199,11 +208,11 @@ def to_markdown(rows, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        "| shape | rotation | layout | out | impl | median us | TB/s | same | vs matmul |",
-        "|---|---|---|---|---|---:|---:|---|---:|",
+        "| shape | rotation | layout | out | impl | us per call | TB/s | same | vs matmul | kernels |",
+        "|---|---|---|---|---|---:|---:|---|---:|---:|",
     ]
-    for shape, rot, layout, out, impl, us, tbs, same, differ in rows:
-        cells = (shape, rot, layout, out, impl, f"{us:.1f}", f"{tbs:.2f}", same, differ)
+    for shape, rot, layout, out, impl, us, tbs, same, differ, count in rows:
+        cells = (shape, rot, layout, out, impl, f"{us:.1f}", f"{tbs:.2f}", same, differ, str(count or ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -216,7 +225,12 @@ def _pair(text: str) -> tuple[int, int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x8192,16384x4096", help="MxK,... (bf16 operands)")
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=30, help="back-to-back calls per timing")
+    parser.add_argument(
+        "--impls",
+        default="xla,pallas",
+        help="which implementations to time besides the reference (comma-separated)",
+    )
     parser.add_argument(
         "--tiles",
         default="",
@@ -232,12 +246,14 @@ def main():
         rows, cols, warps = (int(v) for v in dims.split("x"))
         kernels.TILES[out, layout == "col"] = kernels.Tile(rows, cols, warps)
     shapes = [_pair(s) for s in args.shapes.split(",")]
-    rows = sweep(*shapes[0], args.iters) if args.sweep else run(shapes, args.iters)
+    impls = args.impls.split(",")
+    rows = sweep(*shapes[0], args.iters) if args.sweep else run(shapes, args.iters, impls)
     tiles = ",".join(
         f"{out}-{'col' if column else 'row'}={t.rows}x{t.cols}x{t.warps}"
         for (out, column), t in kernels.TILES.items()
     )
     command = f"python benchmarks/bench_quantize.py --shapes {args.shapes} --iters {args.iters}"
+    command += f" --impls {args.impls}"
     command += " --sweep" if args.sweep else ""
     command += f" --tiles {tiles}"
     harness.emit(to_markdown(rows, command), args.out)

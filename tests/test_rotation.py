@@ -76,6 +76,19 @@ def test_rotate_blocks_matches_reference(shape, axis, size, with_signs):
     _close_to_rotation(got, ref.rotate_blocks(x, axis=axis, size=size, signs=signs), x, size)
 
 
+@pytest.mark.parametrize("size", [4, 16, 32, 64])
+@pytest.mark.parametrize("with_signs", [False, True])
+def test_rotate_blocks_of_bf16_is_the_exact_rotation_summed_in_float32(size, with_signs):
+    """bf16 inputs (the bf16 x bf16 path for 4^k, float32 otherwise): float32 out, against the fp64
+    rotation of the bf16 values, within float32 accumulation of `size` exact products."""
+    rng = np.random.default_rng(size)
+    x = jnp.asarray(rng.standard_normal((6, 128)) * np.exp2(rng.integers(-20, 20, (6, 1))), jnp.bfloat16)
+    signs = rng.choice([-1.0, 1.0], size).astype(np.float32) if with_signs else None
+    got = _rot(x, None if signs is None else jnp.asarray(signs), axis=-1, size=size)
+    x64 = np.asarray(x, np.float64)
+    _close_to_rotation(got, ref.rotate_blocks(x64, axis=-1, size=size, signs=signs), x64, size)
+
+
 def test_rotate_blocks_is_blockwise():
     # A spike in one block must not leak into any other block.
     x = np.zeros((2, 64), np.float32)

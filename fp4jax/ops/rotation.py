@@ -38,13 +38,24 @@ def random_signs(key: jax.Array, size: int) -> jax.Array:
     return jnp.where(jax.random.bernoulli(key, 0.5, (size,)), 1.0, -1.0).astype(jnp.float32)
 
 
+def _exact_in_bf16(size: int) -> bool:
+    """Whether H_size's entries, +-1/sqrt(size), are powers of two (size 1, 4, 16, 64, ...)."""
+    return (size.bit_length() - 1) % 2 == 0
+
+
 def rotate_blocks(x: jax.Array, *, axis: int, size: int, signs: jax.Array | None = None) -> jax.Array:
     """Rotates every block of `size` contiguous elements along `axis`: v -> (v * signs) @ H_size.
 
-    Computed in float32 at full precision; returns float32. The inverse is v -> (v @ H_size) * signs.
+    Every product is exact and the sums are accumulated in float32; returns float32. The inverse is
+    v -> (v @ H_size) * signs. A bfloat16 x with size 4^k (H16) is multiplied as bf16 x bf16 with
+    float32 accumulation: H's entries +-2^-k and the signs are exact in bf16, so every product is
+    exact there too, and GPUs run one bf16 tensor-core pass instead of the several that a float32
+    HIGHEST matmul takes. Any other input is cast to float32 and multiplied at HIGHEST precision.
     """
     require_power_of_two(size, "rotation size")
-    x = jnp.asarray(x, jnp.float32)
+    x = jnp.asarray(x)
+    dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 and _exact_in_bf16(size) else jnp.float32
+    x = x.astype(dtype)
     axis %= x.ndim
     if x.shape[axis] % size:
         raise ValueError(
@@ -54,6 +65,11 @@ def rotate_blocks(x: jax.Array, *, axis: int, size: int, signs: jax.Array | None
     x_last = jnp.moveaxis(x, axis, -1)
     blocks = x_last.reshape(*x_last.shape[:-1], -1, size)
     if signs is not None:
-        blocks = blocks * signs
-    rotated = jnp.matmul(blocks, jnp.asarray(hadamard(size)), precision=jax.lax.Precision.HIGHEST)
+        blocks = blocks * signs.astype(dtype)  # +-1: exact
+    # bf16 x bf16 products are exact in the float32 accumulator at any precision setting; float32 ones
+    # need HIGHEST (GPUs would otherwise round the operands to TF32).
+    precision = None if dtype == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+    rotated = jnp.matmul(
+        blocks, jnp.asarray(hadamard(size), dtype), precision=precision, preferred_element_type=jnp.float32
+    )
     return jnp.moveaxis(rotated.reshape(x_last.shape), -1, axis)

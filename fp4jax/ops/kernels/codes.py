@@ -3,7 +3,7 @@
 Everything here works on float32 bit patterns and integer significands, so the results are the same on
 every back end (no float rounding, no flush-to-zero): `encode` rounds |x| / 2^e onto an element grid by
 shifting the integer significand, and equals quantize.py's float formulation bit for bit
-(tests/test_fused_quantize.py and tests/test_direct_fold.py check it).
+(tests/test_fused_quantize.py checks it).
 """
 
 from __future__ import annotations
