@@ -8,7 +8,7 @@ import mx_reference as ref
 import numpy as np
 import pytest
 
-from fp4jax.ops import hadamard, random_signs, rotate_blocks
+from fp4jax.ops import hadamard, random_signs, rotate_blocks, rotation
 from fp4jax.ops.formats import require_power_of_two
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -78,15 +78,28 @@ def test_rotate_blocks_matches_reference(shape, axis, size, with_signs):
 
 @pytest.mark.parametrize("size", [4, 16, 32, 64])
 @pytest.mark.parametrize("with_signs", [False, True])
-def test_rotate_blocks_of_bf16_is_the_exact_rotation_summed_in_float32(size, with_signs):
-    """bf16 inputs (the bf16 x bf16 path for 4^k, float32 otherwise): float32 out, against the fp64
-    rotation of the bf16 values, within float32 accumulation of `size` exact products."""
+@pytest.mark.parametrize("gpu_rule", [False, True])
+def test_rotate_blocks_of_bf16_is_the_exact_rotation_summed_in_float32(
+    size, with_signs, gpu_rule, monkeypatch
+):
+    """bf16 inputs: float32 out, against the fp64 rotation of the bf16 values, within float32
+    accumulation of `size` products; `gpu_rule` takes the GPU's bf16 x bf16 path (for 4^k) on CPU too."""
+    if gpu_rule:
+        monkeypatch.setattr(rotation.jax, "default_backend", lambda: "gpu")
     rng = np.random.default_rng(size)
     x = jnp.asarray(rng.standard_normal((6, 128)) * np.exp2(rng.integers(-20, 20, (6, 1))), jnp.bfloat16)
     signs = rng.choice([-1.0, 1.0], size).astype(np.float32) if with_signs else None
-    got = _rot(x, None if signs is None else jnp.asarray(signs), axis=-1, size=size)
+    got = rotate_blocks(x, axis=-1, size=size, signs=None if signs is None else jnp.asarray(signs))
     x64 = np.asarray(x, np.float64)
     _close_to_rotation(got, ref.rotate_blocks(x64, axis=-1, size=size, signs=signs), x64, size)
+
+
+def test_bf16_path_rule(monkeypatch):
+    assert not rotation._bf16_path(jnp.bfloat16, 16)  # the CPU lane: float32
+    monkeypatch.setattr(rotation.jax, "default_backend", lambda: "cuda")
+    assert rotation._bf16_path(jnp.bfloat16, 16) and rotation._bf16_path(jnp.bfloat16, 64)
+    assert not rotation._bf16_path(jnp.bfloat16, 32)  # 1/sqrt(32) is not a bf16 value
+    assert not rotation._bf16_path(jnp.float32, 16)
 
 
 def test_rotate_blocks_is_blockwise():

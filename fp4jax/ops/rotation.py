@@ -43,18 +43,28 @@ def _exact_in_bf16(size: int) -> bool:
     return (size.bit_length() - 1) % 2 == 0
 
 
+def _bf16_path(dtype, size: int) -> bool:
+    """The bf16 x bf16 -> float32 matmul: bf16 input, exact entries, and a GPU (checked at trace time).
+
+    GPUs run it on bf16 tensor cores; XLA's CPU runtime rejects some bf16 x bf16 = float32 dots
+    ("Unsupported element type for DotThunk"), and gains nothing from it, so CPUs take float32.
+    """
+    gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    return gpu and dtype == jnp.bfloat16 and _exact_in_bf16(size)
+
+
 def rotate_blocks(x: jax.Array, *, axis: int, size: int, signs: jax.Array | None = None) -> jax.Array:
     """Rotates every block of `size` contiguous elements along `axis`: v -> (v * signs) @ H_size.
 
-    Every product is exact and the sums are accumulated in float32; returns float32. The inverse is
-    v -> (v @ H_size) * signs. A bfloat16 x with size 4^k (H16) is multiplied as bf16 x bf16 with
-    float32 accumulation: H's entries +-2^-k and the signs are exact in bf16, so every product is
-    exact there too, and GPUs run one bf16 tensor-core pass instead of the several that a float32
-    HIGHEST matmul takes. Any other input is cast to float32 and multiplied at HIGHEST precision.
+    A matmul with a float32 result (the sums accumulate in float32); the inverse is
+    v -> (v @ H_size) * signs. On GPUs a bfloat16 x with size 4^k (H16) is multiplied as bf16 x bf16:
+    H's entries +-2^-k and the signs are exact in bf16, so every product is exact, and the GPU runs one
+    bf16 tensor-core pass instead of a float32 HIGHEST matmul (`_bf16_path`). Anything else is cast to
+    float32 and multiplied at HIGHEST precision.
     """
     require_power_of_two(size, "rotation size")
     x = jnp.asarray(x)
-    dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 and _exact_in_bf16(size) else jnp.float32
+    dtype = jnp.bfloat16 if _bf16_path(x.dtype, size) else jnp.float32
     x = x.astype(dtype)
     axis %= x.ndim
     if x.shape[axis] % size:
