@@ -95,7 +95,8 @@ def test_rotate_blocks_of_bf16_is_the_exact_rotation_summed_in_float32(
 
 
 def test_bf16_path_rule(monkeypatch):
-    assert not rotation._bf16_path(jnp.bfloat16, 16)  # the CPU lane: float32
+    monkeypatch.setattr(rotation.jax, "default_backend", lambda: "cpu")
+    assert not rotation._bf16_path(jnp.bfloat16, 16)
     monkeypatch.setattr(rotation.jax, "default_backend", lambda: "cuda")
     assert rotation._bf16_path(jnp.bfloat16, 16) and rotation._bf16_path(jnp.bfloat16, 64)
     assert not rotation._bf16_path(jnp.bfloat16, 32)  # 1/sqrt(32) is not a bf16 value
