@@ -87,11 +87,10 @@ def _assert_trains_alike(losses, params, want_losses, want_params, what):
     first_rtol = 2**-10 if lanes.on_low_precision_tensor_cores("mx", "mx") else 1e-5
     np.testing.assert_allclose(losses[0], want_losses[0], rtol=first_rtol, err_msg=what)
     np.testing.assert_allclose(losses, want_losses, rtol=2**-8, err_msg=what)
-    # On GPUs the gradients of two meshes differ by more than reduction order (tensor cores, all-reduces),
-    # and Adam's normalised step turns a rounding difference on a near-zero gradient into a difference of
-    # up to 2 lr in that weight: two H200s measured 1.5-1.6 % in an attention kernel after 3 updates
-    # (fp8 and mxfp4_full_h16) while the losses agreed to 2e-4. The CPU lane keeps bf16 noise.
-    params_rtol = 2**-8 if jax.default_backend() == "cpu" else 2**-5
+    # Weights within bf16 noise too. On two H200s the worst leaf differed by 5.4-5.6 % (attention-out and
+    # MLP-down kernels, fp8 and mxfp4_full_h16, 3 updates) while the losses agreed to 2e-4: not yet
+    # explained (docs/testing.md), so the bound stays and that lane fails here.
+    params_rtol = 2**-8
     relatives = {
         jax.tree_util.keystr(path): float(np.linalg.norm(got - want) / np.linalg.norm(want))
         for (path, got), want in zip(
