@@ -12,6 +12,8 @@ Everything here must be set before jax initialises its backends, hence at import
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,8 +26,28 @@ def _add_xla_flag(name: str, value: str) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --{name}={value}".strip()
 
 
+def _xla_accepts(flags: str) -> bool:
+    """Whether this jaxlib's XLA knows these flags (an unknown flag aborts the process, so ask a child)."""
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
+# The CPU lane compiles hundreds of small programs and runs each a few times, so compile time dominates:
+# XLA's CPU back end at optimization level 0 (and without LLVM's expensive passes) compiles about 30 %
+# faster. Results stay exact: the tests compare programs compiled under the same flags, and the bit-exact
+# ones do integer arithmetic or compare against numpy references. Checked once per session (pytest-xdist's
+# workers inherit the answer through the environment), because flags differ between XLA versions.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_FAST_COMPILE_VAR = "FP4JAX_TESTS_FAST_COMPILE"
+
 if _ON_CPU:
     _add_xla_flag("xla_force_host_platform_device_count", "8")
+    if _FAST_COMPILE_VAR not in os.environ:
+        os.environ[_FAST_COMPILE_VAR] = "1" if _xla_accepts(_FAST_COMPILE) else "0"
+    if os.environ[_FAST_COMPILE_VAR] == "1":
+        _add_xla_flag("xla_backend_optimization_level", "0")
+        _add_xla_flag("xla_llvm_disable_expensive_passes", "true")
 else:
     _add_xla_flag("xla_gpu_deterministic_ops", "true")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
