@@ -264,3 +264,35 @@ def test_output_projections_init_std(scaled):
 def test_scaled_output_init_is_the_default():
     assert llama_config("8b").scaled_output_init
     assert llama.output_init_std(llama_config("8b")) == pytest.approx(0.02 / 8)
+
+
+def _head_grads(head, x, w, g):
+    _, vjp = jax.vjp(head, x, w)
+    return vjp(g)
+
+
+def test_lm_head_backward_runs_in_the_compute_dtype():
+    """bf16: the cotangent is rounded to bf16 and both backward GEMMs take bf16 operands (no float32
+    GEMM, i.e. no TF32 on GPUs); their results match a float64 reference made from the rounded cotangent
+    to bf16's resolution. float32: exactly autodiff's gradients."""
+    from fp4jax import selfcheck
+
+    x, w, g = _normal(2, 16, 32, seed=1), _normal(32, 48, seed=2), _normal(2, 16, 48, seed=3)
+    plain = lambda x, w: jnp.einsum("BTD,DV->BTV", x, w, preferred_element_type=jnp.float32)
+    for got, want in zip(
+        _head_grads(llama.lm_head_logits, x, w, g), _head_grads(plain, x, w, g), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    grads = jax.jit(functools.partial(_head_grads, llama.lm_head_logits))
+    dx, dw = grads(xb, wb, jnp.asarray(g))
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+    g16 = np.asarray(jnp.asarray(g, jnp.bfloat16), np.float64)
+    x64, w64 = np.asarray(xb, np.float64), np.asarray(wb, np.float64)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), g16 @ w64.T, rtol=2**-8, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(dw, np.float64), np.einsum("btd,btv->dv", x64, g16), rtol=2**-8, atol=1e-6
+    )
+    hlo = grads.lower(xb, wb, jnp.asarray(g)).compile().as_text()
+    assert selfcheck.gemm_operand_types(hlo) and set(selfcheck.gemm_operand_types(hlo)) == {"bf16"}, hlo
