@@ -5,11 +5,11 @@ so it computes exactly what the XLA path computes; only the tiling differs.
 
 - mx: a 2-D grid of (tm, tk) tiles of x; a column-wise tile is transposed in registers, so both layouts
   read x once and write the transposed output directly.
-- fp8_fold, method "two_pass" (row layout): one program per strip of whole output rows (a contract-B
-  row spans the whole contraction axis). Pass 1 walks the strip and keeps only each row's top non-zero
-  block exponent; pass 2 walks it backwards (the chunks read last are the likeliest to still be in
-  L2), re-quantizes and writes E4M3.
-- fp8_fold, method "via_mx" (column layout): the mx kernel also writes each tile's part of the row
+- fp8_fold, method "two_pass" (kept for comparison; FOLD_METHOD picks via_mx): one program per strip
+  of whole output rows (a contract-B row spans the whole contraction axis). Pass 1 walks the strip and
+  keeps only each row's top non-zero block exponent; pass 2 walks it backwards (the chunks read last
+  are the likeliest to still be in L2), re-quantizes and writes E4M3.
+- fp8_fold, method "via_mx" (both layouts): the mx kernel also writes each tile's part of the row
   tops; a small row-wise kernel then folds its E2M1 output. It moves 1.06 more bytes per element but
   keeps the transposing kernel small (the two-pass column kernel needs ~170 registers at sm_90).
 """
@@ -312,8 +312,11 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, interpret):
 
 # How each layout's fold runs: "two_pass" (one kernel, reads x twice, the second time mostly from L2)
 # or "via_mx" (the MX kernel, then a fold of its E2M1 output: 1.06 extra bytes per element, but the
-# column kernel keeps its small register footprint). benchmarks/bench_quantize.py --sweep times both.
-FOLD_METHOD = {False: "two_pass", True: "via_mx"}
+# kernels stay small). via_mx for both: on an H200 (2026-12-01) the row layout with H16 took 538 against
+# 671 us at 32768x2048 and 1,983 against 2,756 us at 32768x8192, and without rotation the two tied
+# (348 / 333, 1,288 / 1,326 us); in the 1B step it raised mxfp4_full_h16 from 46,385 to 49,924 tokens/s
+# (docs/performance.md). benchmarks/bench_quantize.py --sweep times both.
+FOLD_METHOD = {False: "via_mx", True: "via_mx"}
 
 
 def rotate_quantize_3d(x3, column, spec, rotation, sign_row, out, interpret):
