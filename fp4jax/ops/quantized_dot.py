@@ -12,6 +12,12 @@ and each of the three GEMMs goes through `_gemm`, which pads the contraction axi
 both operands along the contraction axis from the high-precision tensors, and multiplies with float32
 accumulation. A quantized tensor is never reused across a change of contraction axis. The contract,
 rule by rule: docs/numerics.md.
+
+Fprop's operands and Dgrad's dy contract on their last axis (row-wise); Dgrad's W and both Wgrad operands
+on their middle axis (column-wise). The reference path moves the contraction last, rotates
+(rotation.rotate_blocks) and quantizes (quantize.quantize_mx); where FP4JAX_QUANTIZE_IMPL asks for it,
+an MX operand is instead rotated and quantized in one pass by fused_quantize.rotate_quantize, which reads
+a column-wise operand in place and, for the fp8 back end, writes it already folded (`_fused_impl`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.ops import quantize
-from fp4jax.ops.kernels import backends
+from fp4jax.ops.kernels import backends, fused_quantize
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import random_signs, rotate_blocks
 
@@ -119,9 +125,13 @@ def _rotation_signs(rotation: RotationSpec, key) -> jax.Array | None:
     return random_signs(key, rotation.size)
 
 
-def _pad_contraction(x: jax.Array, multiple: int) -> jax.Array:
-    pad = -x.shape[-1] % multiple
-    return jnp.pad(x, ((0, 0), (0, 0), (0, pad))) if pad else x
+def _pad_contraction(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
 
 
 def _dot_precision(gemm: GemmSpec, precision):
@@ -136,17 +146,65 @@ def _dot_precision(gemm: GemmSpec, precision):
     return jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else precision
 
 
-def _gemm(a, c, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
-    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k], each operand rotated and quantized along k."""
-    a = _pad_contraction(a, gemm.contraction_multiple)
-    c = _pad_contraction(c, gemm.contraction_multiple)
+def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec) -> str | None:
+    """The fused quantizer (fused_quantize.rotate_quantize) for this operand, or None for the reference path.
+
+    FP4JAX_QUANTIZE_IMPL=pallas runs the Pallas kernels on MX operands where they run
+    (`fused_quantize.pallas_supports`: one NVIDIA GPU, nearest rounding, full tiles); =xla the fused XLA
+    formulation everywhere (slower than the reference path on GPUs; it lets CPU tests exercise this
+    wiring). Unset ("auto"): Pallas only if fused_quantize.AUTO_PREFERS_PALLAS, which is off because the
+    kernels have not yet shown a clear gain in the training step (docs/performance.md, "the Pallas
+    quantizer in the step"). Either way the operands are bit for bit the reference path's wherever the
+    rotation's float32 sums are exact (tests/test_gemm_operands.py).
+    """
+    if spec.kind != "mx":
+        return None
+    setting = fused_quantize.impl_setting()
+    if setting == "xla":
+        return "xla"
+    wants_pallas = setting == "pallas" or (setting == "auto" and fused_quantize.AUTO_PREFERS_PALLAS)
+    return "pallas" if wants_pallas and fused_quantize.pallas_supports(shape, axis, spec, rotation) else None
+
+
+def _quantize_side(x, axis: int, spec: QuantSpec, rotation: RotationSpec, signs, key, fp8_scale, fold_out):
+    """One (B, *, *) operand contracting on `axis` (-1 or -2) -> its quantized (B, F, C) form.
+
+    Fused: one rotate_quantize pass that reads a column-wise operand in place and writes it transposed
+    (folded into E4M3 where `fold_out`). Reference: moved to contraction-last, rotated, quantized.
+    """
+    impl = _fused_impl(x.shape, axis, spec, rotation)
+    if impl is not None:
+        out = "fp8_fold" if fold_out else "mx"
+        return fused_quantize.rotate_quantize(
+            x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl=impl
+        )
+    x = x if axis == -1 else _swap(x)
+    if rotation.kind != "none":
+        x = rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
+    return quantize_operand(x, spec, key, fp8_scale)
+
+
+def quantize_gemm_operands(a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key, fp8_scales, *, backend: str):
+    """The two operands of out[b, m, n] = sum_k a[.., k ..] c[.., k ..] as the back end multiplies them.
+
+    a and c are (B, *, *) with the contraction on a_axis / c_axis (-1 row-wise, -2 column-wise). Both are
+    zero-padded along it, rotated (one set of signs for both) and quantized; the results are (B, M, K) and
+    (B, N, K): MXArray, FP8Array, the plain array, or fold.FoldedOperand where the fused quantizer folds
+    for the fp8 back end (`backends.quantizer_folds`). `backend` is resolved (not "auto").
+    """
+    a = _pad_contraction(a, a_axis, gemm.contraction_multiple)
+    c = _pad_contraction(c, c_axis, gemm.contraction_multiple)
     rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
-    if gemm.rotation.kind != "none":
-        signs = _rotation_signs(gemm.rotation, rotation_key)
-        a = rotate_blocks(a, axis=-1, size=gemm.rotation.size, signs=signs)
-        c = rotate_blocks(c, axis=-1, size=gemm.rotation.size, signs=signs)
-    qa = quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
-    qc = quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
+    signs = _rotation_signs(gemm.rotation, rotation_key) if gemm.rotation.kind != "none" else None
+    fold_out = backends.quantizer_folds(gemm.lhs, gemm.rhs, backend)
+    qa = _quantize_side(a, a_axis, gemm.lhs, gemm.rotation, signs, a_key, fp8_scales[0], fold_out)
+    qc = _quantize_side(c, c_axis, gemm.rhs, gemm.rotation, signs, c_key, fp8_scales[1], fold_out)
+    return qa, qc
+
+
+def _gemm(a, a_axis, c, c_axis, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
+    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k."""
+    qa, qc = quantize_gemm_operands(a, a_axis, c, c_axis, gemm, key, fp8_scales, backend=backend)
     out = backends.matmul(qa, qc, backend=backend, precision=_dot_precision(gemm, precision))
     prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the product
     return out if prescale == 1 else out / prescale
@@ -176,7 +234,9 @@ def _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
     backend = backends.resolve_backend(recipe.backend)
     out_bmn = _gemm(
         to_bfc(lhs, lhs_layout),
+        -1,
         to_bfc(rhs, rhs_layout),
+        -1,
         recipe.fprop,
         _gemm_key(key, 0),
         _fp8_scales(recipe, fp8_meta, "fprop"),
@@ -210,11 +270,12 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     dy_bmn = g.reshape(x_bmk.shape[:2] + w_bnk.shape[1:2])
     gemm = functools.partial(_gemm, backend=backend, precision=precision)
 
+    # Dgrad contracts N: dy row-wise, W column-wise. Wgrad contracts M (tokens): both column-wise.
     dx_bmk = gemm(
-        dy_bmn, _swap(w_bnk), recipe.dgrad, _gemm_key(key, 1), _fp8_scales(recipe, fp8_meta, "dgrad")
+        dy_bmn, -1, w_bnk, -2, recipe.dgrad, _gemm_key(key, 1), _fp8_scales(recipe, fp8_meta, "dgrad")
     )
     dw_bkn = gemm(
-        _swap(x_bmk), _swap(dy_bmn), recipe.wgrad, _gemm_key(key, 2), _fp8_scales(recipe, fp8_meta, "wgrad")
+        x_bmk, -2, dy_bmn, -2, recipe.wgrad, _gemm_key(key, 2), _fp8_scales(recipe, fp8_meta, "wgrad")
     )
     d_lhs = from_bfc(dx_bmk, lhs_layout).astype(lhs.dtype)
     d_rhs = from_bfc(_swap(dw_bkn), rhs_layout).astype(rhs.dtype)

@@ -287,21 +287,44 @@ def _device_fold_dtype() -> Any:
     return fold_dtype(describe_device())
 
 
-def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
-    """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1, blocks
-    on K), or one foldable MX and one OCP FP8Array (not on FNUZ devices, which do not mix the two)."""
-    a_fold, c_fold = fold.is_foldable(a), fold.is_foldable(c)
+def _runs_as_fp8(a_fold: bool, c_fold: bool, a_fp8: bool, c_fp8: bool, fp8_dtype) -> bool:
+    """The fp8 back end's rule, on what the operands are: foldable (E2M1 MX, blocks on K, or already folded)
+    or per-tensor FP8. Two foldable operands, or one and an OCP FP8Array (FNUZ devices do not mix them)."""
     if a_fold and c_fold:
         return True
     ocp = jnp.dtype(fp8_dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    return ocp and ((a_fold and isinstance(c, FP8Array)) or (c_fold and isinstance(a, FP8Array)))
+    return ocp and ((a_fold and c_fp8) or (c_fold and a_fp8))
+
+
+def _is_folded(x, fp8_dtype) -> bool:
+    return isinstance(x, fold.FoldedOperand) and jnp.dtype(x.data.dtype) == jnp.dtype(fp8_dtype)
+
+
+def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
+    """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1, blocks
+    on K) or already folded into fp8_dtype (fold.FoldedOperand), or one of those and one OCP FP8Array (not
+    on FNUZ devices, which do not mix the two)."""
+    a_fold = fold.is_foldable(a) or _is_folded(a, fp8_dtype)
+    c_fold = fold.is_foldable(c) or _is_folded(c, fp8_dtype)
+    return _runs_as_fp8(a_fold, c_fold, isinstance(a, FP8Array), isinstance(c, FP8Array), fp8_dtype)
+
+
+def quantizer_folds(a_spec, c_spec, backend: str) -> bool:
+    """Whether a fused quantizer should write this GEMM's E2M1 MX operands already folded: when the fp8 back
+    end will run it as one FP8 GEMM in float8_e4m3fn (the fused fold writes that type only; on FNUZ
+    devices the quantizer writes MX and the back end folds). Specs are recipes.QuantSpec."""
+    if backend != "fp8" or jnp.dtype(_device_fold_dtype()) != jnp.dtype(jnp.float8_e4m3fn):
+        return False
+    a_fold, c_fold = (s.kind == "mx" and s.elem == "e2m1" for s in (a_spec, c_spec))
+    return _runs_as_fp8(a_fold, c_fold, a_spec.kind == "fp8", c_spec.kind == "fp8", jnp.float8_e4m3fn)
 
 
 def _fold_or_fp8(x, fp8_dtype):
-    """(FP8 values, int32 row exponents (b, rows) or None, float32 scalar to multiply by or None)."""
+    """(FP8 values, int32 row exponents (b, rows) or None, float32 scalar to multiply by or None); an
+    MXArray is folded here, a FoldedOperand (folded by a fused quantizer) is used as it is."""
     if isinstance(x, FP8Array):
         return x.data, None, 1.0 / x.scale
-    folded = fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
+    folded = x if isinstance(x, fold.FoldedOperand) else fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
     return folded.data, folded.row_exponent, None
 
 
@@ -340,4 +363,9 @@ def matmul(a, c, *, backend: str, precision=None) -> jax.Array:
         fp8_dtype = _device_fold_dtype()
         if fp8_supports(a, c, fp8_dtype):
             return fp8_matmul(a, c, fp8_dtype)
+    if isinstance(a, fold.FoldedOperand) or isinstance(c, fold.FoldedOperand):
+        raise TypeError(
+            f"a folded operand runs on the fp8 back end only (backend {backend!r}, operands "
+            f"{type(a).__name__} x {type(c).__name__}): quantize to MX for the others"
+        )
     return _emulate(a, c, precision)

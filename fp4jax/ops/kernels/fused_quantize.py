@@ -1,8 +1,8 @@
 """Rotate + quantize (+ fold) in one pass: what the GEMM back ends consume, straight from x.
 
-Not used by mx_dot_general today: wired in, its XLA formulation made the 1B mxfp4_full_h16 step on an
-H200 0.74x as fast as quantize-then-fold (docs/performance.md), so the GEMMs keep the reference path
-until a faster formulation (the Pallas kernels, timed inside a step) is measured.
+mx_dot_general quantizes its MX operands here when asked (FP4JAX_QUANTIZE_IMPL=pallas or xla;
+quantized_dot._fused_impl), and by default takes the reference path: in the 1B step on an H200 the XLA
+formulation ran at 0.74x of it and the Pallas kernels within a few per cent (docs/performance.md).
 
 `rotate_quantize(x, axis=..., spec=..., rotation=..., out=...)` applies the block Hadamard rotation,
 picks the MX block scales, rounds, and writes either
@@ -299,11 +299,11 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, key, out, bits_shape):
 
 # Which implementation `impl="auto"` runs (`choose_impl`), and the environment variable that overrides it.
 IMPL_ENV_VAR = "FP4JAX_QUANTIZE_IMPL"
-# Whether "auto" takes the Pallas kernels where they can run. Not yet: the Triton kernels beat the XLA
-# formulation standalone on an H200 (docs/performance.md, "Rotate + quantize"), but they have not been
-# timed inside a training step, where XLA fuses its own formulation with the transposes and pads that
-# produce the operand and an opaque pallas_call cannot. That measurement is planned on an H200; flip
-# this (one line) if it shows Pallas winning there.
+# Whether "auto" takes the Pallas kernels where they can run, here and in mx_dot_general's GEMMs. Not yet:
+# timed inside the 1B training step on an H200 (2026-12-01, docs/performance.md), they ran mxfp4_full 3 %
+# faster than the reference path, and mxfp4_full_h16 (rows folded via_mx) 1.5 % faster than a main tree
+# that had gained 3.7 % elsewhere (about 5 % on equal terms, not measured side by side). Time it in the
+# step with FP4JAX_QUANTIZE_IMPL=pallas and flip this (one line) once it wins clearly.
 AUTO_PREFERS_PALLAS = False
 # The smallest tiles the kernels are run with where they have been checked on a GPU: output rows in
 # multiples of 16, quantized-axis length in multiples of 256 (and block/rotation sizes up to 256).

@@ -1,0 +1,100 @@
+"""The fused quantizer wired into mx_dot_general (FP4JAX_QUANTIZE_IMPL): the same GEMM operands and the
+same products as the reference path (pad, move the contraction last, rotate, quantize), bit for bit.
+
+Inputs are bf16, as in training: the rotation's products are then exact and its float32 sums of 16 or
+32 terms exact too (the exponents of one block span far less than float32's 24 bits), so the fused
+butterfly and the reference's matmul give the same rotated values and the comparison can be exact.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax.ops import get_recipe, mx_dot_general, quantized_dot
+from fp4jax.ops.kernels import backends, fold, fused_quantize
+from fp4jax.ops.quantize import MXArray
+from fp4jax.ops.recipes import QuantSpec
+
+M, K, N = 64, 96, 80  # x (M, K) @ w (K, N): Fprop contracts K, Dgrad N, Wgrad M (tokens)
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((M, K)) * np.exp(rng.standard_normal((M, 1)))  # rows of different scales
+    w = rng.standard_normal((K, N)) * 0.05
+    dy = rng.standard_normal((M, N)) * 1e-3
+    return (jnp.asarray(t, jnp.bfloat16) for t in (x, w, dy))
+
+
+def _layer(recipe, backend):
+    rec = dataclasses.replace(get_recipe(recipe), backend=backend)
+    key = jax.random.key(3) if rec.needs_key else None
+
+    @jax.jit
+    def run(x, w, dy):
+        y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, DIMS, recipe=rec, key=key), x, w)
+        return (y, *vjp(dy))
+
+    return run
+
+
+@pytest.mark.parametrize("backend", ["emulate", "fp8"])
+@pytest.mark.parametrize(
+    "recipe", ["mxfp4_full", "mxfp4_full_h16", "mxfp4_full_rht", "mxfp4_fprop", "mxfp4_full_sr", "mxfp8"]
+)
+def test_fused_wiring_gives_the_reference_products(recipe, backend, monkeypatch):
+    x, w, dy = _inputs()
+    monkeypatch.delenv(fused_quantize.IMPL_ENV_VAR, raising=False)
+    want = _layer(recipe, backend)(x, w, dy)
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "xla")
+    got = _layer(recipe, backend)(x, w, dy)
+    for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("axis", [-1, -2])
+def test_fused_operands_equal_the_reference_operands(axis, monkeypatch):
+    """Operand level, both layouts, both output forms: the fused MXArray equals the reference's field by
+    field, and its fold for the fp8 back end equals fold_mx_to_fp8 of the reference MXArray."""
+    x, _, dy = _inputs(1)
+    gemm = get_recipe("mxfp4_full_h16").wgrad if axis == -2 else get_recipe("mxfp4_full_h16").fprop
+    a, c = (x[None], dy[None]) if axis == -2 else (x[None], x[None, : M // 2])
+    key = jax.random.key(5)
+    monkeypatch.delenv(fused_quantize.IMPL_ENV_VAR, raising=False)
+    ref = quantized_dot.quantize_gemm_operands(a, axis, c, axis, gemm, key, (None, None), backend="emulate")
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "xla")
+    mx = quantized_dot.quantize_gemm_operands(a, axis, c, axis, gemm, key, (None, None), backend="emulate")
+    folded = quantized_dot.quantize_gemm_operands(a, axis, c, axis, gemm, key, (None, None), backend="fp8")
+    for r, m, f in zip(ref, mx, folded, strict=True):
+        assert isinstance(r, MXArray) and isinstance(m, MXArray) and isinstance(f, fold.FoldedOperand)
+        for field in ("data", "scale"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(m, field)).view(np.uint8), np.asarray(getattr(r, field)).view(np.uint8)
+            )
+        want = fold.fold_mx_to_fp8(r)
+        np.testing.assert_array_equal(np.asarray(f.data).view(np.uint8), np.asarray(want.data).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(f.row_exponent), np.asarray(want.row_exponent))
+
+
+def test_quantizer_folds_only_for_the_fp8_back_ends_foldable_gemms():
+    e2m1 = QuantSpec(kind="mx", elem="e2m1")
+    e4m3_mx = QuantSpec(kind="mx", elem="e4m3")
+    fp8 = QuantSpec(kind="fp8", elem="e4m3")
+    plain = QuantSpec()
+    assert backends.quantizer_folds(e2m1, e2m1, "fp8")
+    assert backends.quantizer_folds(e2m1, fp8, "fp8") and backends.quantizer_folds(fp8, e2m1, "fp8")
+    assert not backends.quantizer_folds(e2m1, e2m1, "emulate")
+    assert not backends.quantizer_folds(e2m1, e2m1, "native")
+    assert not backends.quantizer_folds(e4m3_mx, e4m3_mx, "fp8")  # MXFP8 does not fold into one E4M3 grid
+    assert not backends.quantizer_folds(e2m1, plain, "fp8")
+
+
+def test_a_folded_operand_on_another_back_end_is_one_clear_error():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 16, 64)), jnp.float32)
+    q = fused_quantize.rotate_quantize(x, spec=QuantSpec(kind="mx", elem="e2m1"), out="fp8_fold", impl="xla")
+    with pytest.raises(TypeError, match="fp8 back end only"):
+        backends.matmul(q, q, backend="emulate")
