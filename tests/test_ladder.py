@@ -23,9 +23,11 @@ TINY = {**TINY_OVERRIDES, "recipe": "fp8", "eval_every_sequences": 16, "tensorbo
 
 @pytest.fixture
 def child_env(tmp_path_factory, monkeypatch):
-    """Trainer subprocesses on one CPU device (conftest's 8 fake devices would only slow them down),
-    sharing a compilation cache."""
-    monkeypatch.setenv("XLA_FLAGS", "")
+    """Trainer subprocesses on one CPU device (conftest's 8 fake devices would only slow them down; its
+    compile-speed flags are kept), sharing a compilation cache."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    one_device = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(one_device))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("xla")))
     monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -13,11 +13,15 @@ runs' target is 2.0 (BYTES_OVERRIDES), which 6 updates do not reach. Training wi
 still tested: tests/test_ladder.py (real `python -m fp4jax.train` subprocesses), tests/test_selfcheck.py.
 
 Session fixtures (one token cache, compilation cache and finished run for every module) are registered in
-conftest.py; a module that trains imports `compilation_cache`.
+conftest.py; a module that trains imports `compilation_cache`. Under pytest-xdist the workers share them
+(`session_dir`): the finished run is trained once, by whichever worker asks first, and the others'
+runs of the same programs load them from the shared compilation cache.
 """
 
 import contextlib
+import fcntl
 import os
+import pickle
 
 import jax
 import pytest
@@ -121,14 +125,26 @@ def xla_cache_env(xla_cache) -> dict:
     )
 
 
+def session_dir(tmp_path_factory, name: str):
+    """A directory shared by every process of this test session: pytest-xdist gives each worker its own
+    base temp directory, all in one parent. (The token cache writes atomically, and JAX's compilation
+    cache is made for processes that share it.)"""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def token_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("token_cache")
+    return session_dir(tmp_path_factory, "token_cache")
 
 
 @pytest.fixture(scope="session")
 def xla_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("xla_cache")
+    return session_dir(tmp_path_factory, "xla_cache")
 
 
 @contextlib.contextmanager
@@ -164,10 +180,15 @@ def good_run_result(tmp_path_factory, token_cache, xla_cache):
     """One finished tiny run (checkpoints 2, 4, 6; an evaluation at 4) and the summary train() returned,
     shared: tests read the run or copy it, never change it. (Session-scoped fixtures are set up before
     module-scoped ones: it applies the tiny runs' settings itself.)"""
-    workdir = tmp_path_factory.mktemp("good")
-    with tiny_run_settings(xla_cache):
-        summary = trainer.train(tiny_config(token_cache), str(workdir))
-    return workdir, summary
+    root = session_dir(tmp_path_factory, "good_run")
+    workdir, returned = root / "run", root / "returned.pickle"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker trains, the others wait for it and read its run
+        if not returned.exists():
+            with tiny_run_settings(xla_cache):
+                summary = trainer.train(tiny_config(token_cache), str(workdir))
+            returned.write_bytes(pickle.dumps(summary))  # what train() returned, not its summary.json
+    return workdir, pickle.loads(returned.read_bytes())
 
 
 @pytest.fixture(scope="session")
