@@ -113,3 +113,18 @@ def test_a_folded_operand_on_another_back_end_is_one_clear_error():
     q = fused_quantize.rotate_quantize(x, spec=QuantSpec(kind="mx", elem="e2m1"), out="fp8_fold", impl="xla")
     with pytest.raises(TypeError, match="fp8 back end only"):
         backends.matmul(q, q, backend="emulate")
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_which_quantizer_the_gemms_use(supported, monkeypatch):
+    """Unset: the reference path (AUTO_PREFERS_PALLAS is off); pallas: the kernels where they run, else
+    the reference path; xla: the fused XLA formulation everywhere; plain and FP8 operands: the reference."""
+    monkeypatch.setattr(fused_quantize, "pallas_supports", lambda *args, **kwargs: supported)
+    mx, fp8 = QuantSpec(kind="mx", elem="e2m1"), QuantSpec(kind="fp8", elem="e4m3")
+    rotation = get_recipe("mxfp4_full_h16").fprop.rotation
+    choose = lambda spec: quantized_dot._fused_impl((1, 256, 256), -1, spec, rotation)
+    expected = {"": None, "pallas": "pallas" if supported else None, "xla": "xla"}
+    for setting, want in expected.items():
+        monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, setting)
+        assert choose(mx) == want, setting
+        assert choose(fp8) is None and choose(QuantSpec()) is None

@@ -160,10 +160,9 @@ def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec) -> st
     if spec.kind != "mx":
         return None
     setting = fused_quantize.impl_setting()
-    if setting == "xla":
-        return "xla"
-    wants_pallas = setting == "pallas" or (setting == "auto" and fused_quantize.AUTO_PREFERS_PALLAS)
-    return "pallas" if wants_pallas and fused_quantize.pallas_supports(shape, axis, spec, rotation) else None
+    impl = fused_quantize.choose_impl(shape, axis, spec, rotation, setting=setting)
+    # choose_impl falls back to the fused XLA formulation; here only an explicit "xla" gets it.
+    return impl if impl == "pallas" or setting == "xla" else None
 
 
 def _quantize_side(x, axis: int, spec: QuantSpec, rotation: RotationSpec, signs, key, fp8_scale, fold_out):
