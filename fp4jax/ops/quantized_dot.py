@@ -194,7 +194,7 @@ def quantize_gemm_operands(a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key, 
     a = _pad_contraction(a, a_axis, gemm.contraction_multiple)
     c = _pad_contraction(c, c_axis, gemm.contraction_multiple)
     rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
-    signs = _rotation_signs(gemm.rotation, rotation_key) if gemm.rotation.kind != "none" else None
+    signs = _rotation_signs(gemm.rotation, rotation_key)  # None unless the signs are random
     fold_out = backends.quantizer_folds(gemm.lhs, gemm.rhs, backend)
     qa = _quantize_side(a, a_axis, gemm.lhs, gemm.rotation, signs, a_key, fp8_scales[0], fold_out)
     qc = _quantize_side(c, c_axis, gemm.rhs, gemm.rotation, signs, c_key, fp8_scales[1], fold_out)
