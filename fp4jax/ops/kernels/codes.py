@@ -62,9 +62,52 @@ def encode(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, rounding: str)
     return code | ((bits >> 31) & 1) << sign_shift
 
 
-def e2m1_value(code: jax.Array) -> jax.Array:
-    """|E2M1 value| of a code as float32: 0, .5, 1, 1.5 (codes 0-3), then (2 + odd) 2^(code/2 - 2)."""
-    mag = code & 0x7
-    small = mag.astype(jnp.float32) * 0.5
-    large = (2 + (mag & 1)).astype(jnp.float32) * pow2((mag >> 1) - 2)
-    return jnp.where(mag < 4, small, large)
+def encode_e2m1_nearest_even(bits: jax.Array, exponent: jax.Array) -> jax.Array:
+    """encode(bits, exponent, E2M1, "nearest_even") in about half the operations: the fused kernels' path.
+
+    Same contract and the same bits (tests/test_codes.py checks it against `encode`), for finite x and
+    exponent in [-127, 126] (every finite block's: even ceil mode gives at most 127 - 2 + 1). Two steps:
+
+    1. y = |x| 2^-exponent as float32, exact whenever y >= 2^-126 (smaller y round to code 0 anyway).
+       A subnormal x is rebuilt from its bit pattern, so that a back end that flushes subnormal inputs
+       (XLA's CPU does) still sees it: with k = max(-exponent, 23), the float with x's mantissa and
+       exponent field k + 1 is 2^(k-126) + m 2^(k-149), and subtracting 2^(k-126) leaves m 2^(k-149),
+       exactly (Sterbenz). k is raised to 23 so that both terms stay normal; for -exponent < 23 the
+       result is below 2^-103 either way.
+    2. Round y onto the E2M1 grid by one float addition: in the binade of y the grid step is
+       s = 1/2 (y < 2), 1 (y in [2, 4)) or 2 (y >= 4), and y + 2^23 s rounds y to a multiple of s,
+       to nearest even, in hardware (y < 2^23 s, so the sum stays in the binade of 2^23 s). The
+       difference of the float bits is the count of steps; the binade adds 2 codes per step up.
+       Saturation is one min: 7 steps of 2 and up all land above code 7.
+    """
+    magnitude = bits & 0x7FFFFFFF
+    k = -exponent
+    from_normal = lax.bitcast_convert_type(magnitude, jnp.float32) * pow2(jnp.clip(k, -126, 127))
+    k_sub = jnp.maximum(k, 23)
+    from_subnormal = lax.bitcast_convert_type(magnitude + ((k_sub + 1) << 23), jnp.float32) - pow2(
+        k_sub - 126
+    )
+    y = jnp.where(magnitude < 0x800000, from_subnormal, from_normal)
+    binade = jnp.clip(f32_bits(y) >> 23, 127, 129)  # 127: y < 2, 128: [2, 4), 129: >= 4
+    magic_bits = (binade + 22) << 23  # 2^(binade - 105) = 2^23 s: 2^22, 2^23, 2^24
+    steps = f32_bits(y + lax.bitcast_convert_type(magic_bits, jnp.float32)) - magic_bits
+    code = jnp.minimum(steps + ((binade - 127) << 1), MAX_CODE["e2m1"])
+    return code | ((bits >> 28) & 0x8)
+
+
+def fold_e2m1_to_e4m3fn(code: jax.Array, shift: jax.Array) -> jax.Array:
+    """The float8_e4m3fn bits of E2M1 value(code) * 2^shift, for shift in [-8, 6] (the fold's window).
+
+    Every such value is exact in E4M3FN (fold.py says why), so the bits are built directly: an E2M1
+    magnitude is 2^j (1 + b/2) with j = code//2 - 1 and b = code's low bit (b = 0 for code 1: 0.5),
+    times 2^shift. Normal in E4M3 for j + shift >= -6: exponent field j + shift + 7, mantissa b << 2;
+    below, a subnormal of (2 + b) 2^(j + shift + 8) units of 2^-9. Zero codes give +-0 (sign kept).
+    """
+    magnitude = code & 0x7
+    j = (magnitude >> 1) - 1 + shift
+    b = jnp.where(magnitude > 1, magnitude & 1, 0)
+    normal = ((j + 7) << 3) | (b << 2)
+    subnormal = ((2 + b) << jnp.clip(j + 9, 0, 2)) >> 1
+    folded = jnp.where(j >= -6, normal, subnormal)
+    folded = jnp.where(magnitude == 0, 0, folded)
+    return folded | ((code & 0x8) << 4)

@@ -48,11 +48,16 @@ from jax import lax
 from fp4jax.ops import formats
 from fp4jax.ops.formats import ElemFormat, get_elem_format
 from fp4jax.ops.kernels import backends, fold
-from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, e2m1_value, encode, f32_bits
+from fp4jax.ops.kernels.codes import (
+    MAGNITUDE_MASK,
+    encode,
+    encode_e2m1_nearest_even,
+    f32_bits,
+    fold_e2m1_to_e4m3fn,
+)
 from fp4jax.ops.quantize import (
     MXArray,
     _mul_pow2,  # the reference's exact scaling: SR shares it on purpose
-    pow2,
     round_to_grid,
     scale_exponent,
 )
@@ -78,11 +83,12 @@ def hadamard_rotate(
     """Rotates each run of `size` elements along v's last axis by diag(signs) H_size; float32 in and out.
 
     The definition (the rounding is part of it): v * signs, then for h = 1, 2, 4, ..., size/2 every
-    pair (i, i + h) of each group of 2h becomes (i: a + b, i + h: a - b), each sum rounded once and a
-    zero sum stored as +0; finally times c = hadamard(size)[0, 0] (1/sqrt(size) as float32: exact
-    for 16). No product feeds a sum, so no compiler can contract one into an FMA and change the bits
-    (the sign products are exact). Sums can overflow where the scaled matmul would not: only for
-    |x| near the float32 maximum, and such a block then gets a NaN scale in every implementation.
+    pair (i, i + h) of each group of 2h becomes (i: a + b, i + h: a - b), each sum rounded once; zero
+    results are +0 (the bits of storing every zero sum as +0); finally times c = hadamard(size)[0, 0]
+    (1/sqrt(size) as float32: exact for 16). No product feeds a sum, so no compiler can contract one
+    into an FMA and change the bits (the sign products are exact). Sums can overflow where the scaled
+    matmul would not: only for |x| near the float32 maximum, and such a block then gets a NaN scale in
+    every implementation.
     `spelling` only changes how it is written: "slices" (slices and a stack, which XLA fuses into one
     loop) or "reductions" (sums over a length-2 axis, which Triton keeps in registers and warp
     shuffles); the two give the same bits (tests/test_fused_quantize.py checks it).
@@ -96,24 +102,22 @@ def hadamard_rotate(
         v3 = _butterfly_slices(v3) if spelling == "slices" else _butterfly_reductions(v3)
         v = v3.reshape(rows, n)
         h *= 2
-    return v * float(hadamard(size)[0, 0])
-
-
-def _positive_zero(z: jax.Array) -> jax.Array:
-    # A reduction may start from +0 (XLA) or not (Triton): a zero sum is +0 in both spellings.
-    return jnp.where(z == 0, 0.0, z)
+    # A reduction may start from +0 (XLA) or not (Triton), so the spellings may differ in the sign of a
+    # zero sum. That sign reaches nothing but later zero sums (x + -0 = x for x != 0), so making the
+    # final zeros +0, once, gives exactly the bits of storing every zero sum as +0.
+    return jnp.where(v == 0, 0.0, v) * float(hadamard(size)[0, 0])
 
 
 def _butterfly_slices(v3: jax.Array) -> jax.Array:
     a, b = v3[:, 0, :], v3[:, 1, :]
-    return jnp.stack([_positive_zero(a + b), _positive_zero(a - b)], axis=1)
+    return jnp.stack([a + b, a - b], axis=1)
 
 
 def _butterfly_reductions(v3: jax.Array) -> jax.Array:
     first = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1) == 0
     total = jnp.sum(v3, axis=1, keepdims=True)  # a + b
     difference = jnp.sum(jnp.where(first, v3, -v3), axis=1, keepdims=True)  # a + (-b): exact negation
-    return _positive_zero(jnp.where(first, total, difference))
+    return jnp.where(first, total, difference)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -172,6 +176,8 @@ def _quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, key=None, bit
         nonzero = finite & (jnp.max(codes & MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
     elif spec.prescale != 1:  # XLA path only: the value is rounded once by the multiply, then encoded
         codes = encode(_prescaled_bits(bits, exponent, finite, spec), 0, fmt, spec.rounding)
+    elif fmt.name == "e2m1" and spec.rounding == "nearest_even":  # the study's format: the short path
+        codes = encode_e2m1_nearest_even(bits, exponent[:, None])
     else:
         codes = encode(bits, exponent[:, None], fmt, spec.rounding)
     codes = jnp.where(finite[:, None], codes, 0)
@@ -202,10 +208,7 @@ def _fold_codes(codes, exponent, nonzero, row_top, nan_row, shift: int):
     """E4M3FN codes of q 2^(e_b - top + shift), flushed blocks +0, NaN rows NaN (fold.py's rule)."""
     delta = exponent - row_top
     in_window = delta >= -fold.WINDOW
-    factor = pow2(jnp.clip(delta, -fold.WINDOW, 0) + shift)
-    value = e2m1_value(codes) * factor[:, None]
-    signed = f32_bits(value) | ((codes & 0x8) << 28)
-    folded = encode(signed, jnp.zeros_like(signed), formats.E4M3, "nearest_even")
+    folded = fold_e2m1_to_e4m3fn(codes, (jnp.clip(delta, -fold.WINDOW, 0) + shift)[:, None])
     folded = jnp.where(in_window[:, None], folded, 0)
     folded = jnp.where(nan_row[:, None], _E4M3FN_NAN, folded)
     flushed = nonzero & ~in_window & ~nan_row
