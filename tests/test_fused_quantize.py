@@ -334,8 +334,9 @@ def test_choose_impl_takes_pallas_only_where_asked_and_supported(monkeypatch):
         return fq.choose_impl(shape, axis, spec, rotation, setting=setting, **{**here, **kw})
 
     assert choose() == "pallas" and choose(axis=-2) == "pallas"
-    assert choose(setting="xla") == "xla"
-    assert choose(setting="auto") == ("pallas" if fq.AUTO_PREFERS_PALLAS else "xla")
+    assert choose(setting="xla") == "xla" and choose(setting="reference") == "xla"
+    monkeypatch.setattr(fq, "AUTO_PREFERS_PALLAS", False)
+    assert choose(setting="auto") == "xla"
     monkeypatch.setattr(fq, "AUTO_PREFERS_PALLAS", True)
     assert choose(setting="auto") == "pallas"
     # Where the kernels do not run, "pallas" and "auto" fall back to XLA (same bits).
@@ -353,13 +354,13 @@ def test_impl_env_var(monkeypatch):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
     spec = QuantSpec(kind="mx")
     want = fq.rotate_quantize(x, spec=spec, impl="xla")
-    for value in ("xla", "pallas", "auto", " auto ", ""):
+    for value in ("xla", "pallas", "auto", " auto ", "", "reference"):
         monkeypatch.setenv(fq.IMPL_ENV_VAR, value)
         assert fq.impl_setting() == (value.strip() or "auto")
         # On this CPU even "pallas" means XLA: the kernels run on NVIDIA GPUs only (interpret mode aside).
         _assert_same(fq.rotate_quantize(x, spec=spec), want)
     monkeypatch.setenv(fq.IMPL_ENV_VAR, "triton")
-    message = r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla$"
+    message = r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla, reference$"
     with pytest.raises(ValueError, match=message):
         fq.rotate_quantize(x, spec=spec)
     with pytest.raises(ValueError, match="unknown quantize impl"):

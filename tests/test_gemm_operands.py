@@ -22,11 +22,11 @@ M, K, N = 64, 96, 80  # x (M, K) @ w (K, N): Fprop contracts K, Dgrad N, Wgrad M
 DIMS = (((1,), (0,)), ((), ()))
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, m=M, k=K, n=N):
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((M, K)) * np.exp(rng.standard_normal((M, 1)))  # rows of different scales
-    w = rng.standard_normal((K, N)) * 0.05
-    dy = rng.standard_normal((M, N)) * 1e-3
+    x = rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, 1)))  # rows of different scales
+    w = rng.standard_normal((k, n)) * 0.05
+    dy = rng.standard_normal((m, n)) * 1e-3
     return (jnp.asarray(t, jnp.bfloat16) for t in (x, w, dy))
 
 
@@ -57,9 +57,29 @@ def _layer(recipe, backend):
 )
 def test_fused_wiring_gives_the_reference_products(recipe, backend, monkeypatch):
     x, w, dy = _inputs()
-    monkeypatch.delenv(fused_quantize.IMPL_ENV_VAR, raising=False)
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
     want = _layer(recipe, backend)(x, w, dy)
     monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "xla")
+    got = _layer(recipe, backend)(x, w, dy)
+    for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
+
+
+@pytest.mark.skipif(
+    not fused_quantize.pallas_supports(
+        (256, 512), -1, QuantSpec(kind="mx"), get_recipe("mxfp4_full_h16").fprop.rotation
+    ),
+    reason="needs one NVIDIA GPU (where the compiled Pallas kernels run)",
+)
+@pytest.mark.parametrize(
+    "recipe, backend", [("mxfp4_full_h16", "fp8"), ("mxfp4_full", "fp8"), ("mxfp4_full_h16", "emulate")]
+)
+def test_pallas_wiring_gives_the_reference_products(recipe, backend, monkeypatch):
+    """The compiled kernels in all three GEMMs (every axis a multiple of 256: every operand takes them)."""
+    x, w, dy = _inputs(2, m=256, k=512, n=256)
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
+    want = _layer(recipe, backend)(x, w, dy)
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "pallas")
     got = _layer(recipe, backend)(x, w, dy)
     for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
@@ -80,7 +100,7 @@ def test_fused_operands_equal_the_reference_operands(axis, monkeypatch):
         )
         return jax.jit(quantize)(a, c, key)
 
-    monkeypatch.delenv(fused_quantize.IMPL_ENV_VAR, raising=False)
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
     ref = operands("emulate")
     monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "xla")
     mx, folded = operands("emulate"), operands("fp8")
@@ -115,15 +135,24 @@ def test_a_folded_operand_on_another_back_end_is_one_clear_error():
         backends.matmul(q, q, backend="emulate")
 
 
+@pytest.mark.parametrize("auto_prefers_pallas", [True, False])
 @pytest.mark.parametrize("supported", [True, False])
-def test_which_quantizer_the_gemms_use(supported, monkeypatch):
-    """Unset: the reference path (AUTO_PREFERS_PALLAS is off); pallas: the kernels where they run, else
-    the reference path; xla: the fused XLA formulation everywhere; plain and FP8 operands: the reference."""
+def test_which_quantizer_the_gemms_use(supported, auto_prefers_pallas, monkeypatch):
+    """Unset (auto): the kernels where they run if AUTO_PREFERS_PALLAS, else the reference path; pallas:
+    the kernels where they run, else the reference path; xla: the fused XLA formulation everywhere;
+    reference: the reference path; plain and FP8 operands: the reference path always."""
     monkeypatch.setattr(fused_quantize, "pallas_supports", lambda *args, **kwargs: supported)
+    monkeypatch.setattr(fused_quantize, "AUTO_PREFERS_PALLAS", auto_prefers_pallas)
     mx, fp8 = QuantSpec(kind="mx", elem="e2m1"), QuantSpec(kind="fp8", elem="e4m3")
     rotation = get_recipe("mxfp4_full_h16").fprop.rotation
     choose = lambda spec: quantized_dot._fused_impl((1, 256, 256), -1, spec, rotation)
-    expected = {"": None, "pallas": "pallas" if supported else None, "xla": "xla"}
+    kernels = "pallas" if supported else None
+    expected = {
+        "": kernels if auto_prefers_pallas else None,
+        "pallas": kernels,
+        "xla": "xla",
+        "reference": None,
+    }
     for setting, want in expected.items():
         monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, setting)
         assert choose(mx) == want, setting

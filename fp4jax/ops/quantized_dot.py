@@ -15,9 +15,10 @@ rule by rule: docs/numerics.md.
 
 Fprop's operands and Dgrad's dy contract on their last axis (row-wise); Dgrad's W and both Wgrad operands
 on their middle axis (column-wise). The reference path moves the contraction last, rotates
-(rotation.rotate_blocks) and quantizes (quantize.quantize_mx); where FP4JAX_QUANTIZE_IMPL asks for it,
-an MX operand is instead rotated and quantized in one pass by fused_quantize.rotate_quantize, which reads
-a column-wise operand in place and, for the fp8 back end, writes it already folded (`_fused_impl`).
+(rotation.rotate_blocks) and quantizes (quantize.quantize_mx); where the Pallas kernels run (one NVIDIA
+GPU) or FP4JAX_QUANTIZE_IMPL=xla asks for it, an MX operand is instead rotated and quantized in one pass
+by fused_quantize.rotate_quantize, which reads a column-wise operand in place and, for the fp8 back end,
+writes it already folded (`_fused_impl`).
 """
 
 from __future__ import annotations
@@ -149,17 +150,18 @@ def _dot_precision(gemm: GemmSpec, precision):
 def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec) -> str | None:
     """The fused quantizer (fused_quantize.rotate_quantize) for this operand, or None for the reference path.
 
-    FP4JAX_QUANTIZE_IMPL=pallas runs the Pallas kernels on MX operands where they run
-    (`fused_quantize.pallas_supports`: one NVIDIA GPU, nearest rounding, full tiles); =xla the fused XLA
-    formulation everywhere (slower than the reference path on GPUs; it lets CPU tests exercise this
-    wiring). Unset ("auto"): Pallas only if fused_quantize.AUTO_PREFERS_PALLAS, which is off because the
-    kernels have not yet shown a clear gain in the training step (docs/performance.md, "the Pallas
-    quantizer in the step"). Either way the operands are bit for bit the reference path's wherever the
-    rotation's float32 sums are exact (tests/test_gemm_operands.py).
+    FP4JAX_QUANTIZE_IMPL unset ("auto", fused_quantize.AUTO_PREFERS_PALLAS) or =pallas: the Pallas kernels
+    on MX operands where they run (`fused_quantize.pallas_supports`: one NVIDIA GPU, nearest rounding,
+    full tiles), the reference path elsewhere. =xla: the fused XLA formulation everywhere (slower than the
+    reference path on GPUs; it lets CPU tests exercise this wiring). =reference: the reference path.
+    Either way the operands are bit for bit the reference path's wherever the rotation's float32 sums are
+    exact (tests/test_gemm_operands.py).
     """
     if spec.kind != "mx":
         return None
     setting = fused_quantize.impl_setting()
+    if setting == "reference":
+        return None
     impl = fused_quantize.choose_impl(shape, axis, spec, rotation, setting=setting)
     # choose_impl falls back to the fused XLA formulation; here only an explicit "xla" gets it.
     return impl if impl == "pallas" or setting == "xla" else None

@@ -1,8 +1,10 @@
 """Rotate + quantize (+ fold) in one pass: what the GEMM back ends consume, straight from x.
 
-mx_dot_general quantizes its MX operands here when asked (FP4JAX_QUANTIZE_IMPL=pallas or xla;
-quantized_dot._fused_impl), and by default takes the reference path: in the 1B step on an H200 the XLA
-formulation ran at 0.74x of it and the Pallas kernels within a few per cent (docs/performance.md).
+mx_dot_general quantizes its MX operands here (quantized_dot._fused_impl): by default through the Pallas
+kernels wherever they run (one NVIDIA GPU: 1.2x the reference path's 1B training step on an H200,
+docs/performance.md), elsewhere through the reference path; FP4JAX_QUANTIZE_IMPL=xla forces the fused
+XLA formulation (slower than the reference path on GPUs: it lets CPU tests exercise the wiring) and
+=reference the reference path.
 
 `rotate_quantize(x, axis=..., spec=..., rotation=..., out=...)` applies the block Hadamard rotation,
 picks the MX block scales, rounds, and writes either
@@ -32,8 +34,8 @@ Exactness of the quantizer does not depend on the platform: rounding is done on 
 Stochastic rounding and prescale run on the XLA path only (SR's random bits are jax.random.bits over the
 reference's shape, so it matches quantize_mx bit for bit); impl="pallas" with either is an error.
 
-Which implementation: impl="auto" asks `choose_impl` (XLA unless FP4JAX_QUANTIZE_IMPL=pallas; Pallas
-only where `pallas_supports`).
+Which implementation: impl="auto" asks `choose_impl` (Pallas where `pallas_supports`, XLA elsewhere;
+FP4JAX_QUANTIZE_IMPL=xla or =reference: XLA).
 """
 
 from __future__ import annotations
@@ -302,12 +304,14 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, key, out, bits_shape):
 
 # Which implementation `impl="auto"` runs (`choose_impl`), and the environment variable that overrides it.
 IMPL_ENV_VAR = "FP4JAX_QUANTIZE_IMPL"
-# Whether "auto" takes the Pallas kernels where they can run, here and in mx_dot_general's GEMMs. Not yet:
-# timed inside the 1B training step on an H200 (2026-12-01, docs/performance.md), they ran mxfp4_full 3 %
-# faster than the reference path, and mxfp4_full_h16 (rows folded via_mx) 1.5 % faster than a main tree
-# that had gained 3.7 % elsewhere (about 5 % on equal terms, not measured side by side). Time it in the
-# step with FP4JAX_QUANTIZE_IMPL=pallas and flip this (one line) once it wins clearly.
-AUTO_PREFERS_PALLAS = False
+# Its values: IMPLS, and "reference", which sends mx_dot_general's GEMMs back to the reference path
+# (rotate_blocks + quantize_mx; for rotate_quantize itself it means XLA).
+SETTINGS = (*IMPLS, "reference")
+# Whether "auto" takes the Pallas kernels where they can run, here and in mx_dot_general's GEMMs. Yes since
+# the short encoder (codes.encode_e2m1_nearest_even): in the 1B training step on an H200 (2026-12-01,
+# docs/performance.md) mxfp4_full_h16 ran at 59,226 tokens/s against 49,026 on the reference path
+# (+21 %), mxfp4_full at 61,197 against 52,048 (+18 %), one process after the other on one GPU.
+AUTO_PREFERS_PALLAS = True
 # The smallest tiles the kernels are run with where they have been checked on a GPU: output rows in
 # multiples of 16, quantized-axis length in multiples of 256 (and block/rotation sizes up to 256).
 PALLAS_ROW_MULTIPLE = 16
@@ -315,10 +319,10 @@ PALLAS_COL_MULTIPLE = 256
 
 
 def impl_setting() -> str:
-    """FP4JAX_QUANTIZE_IMPL: "auto" (unset), "xla" or "pallas"; anything else is a one-line ValueError."""
+    """FP4JAX_QUANTIZE_IMPL: "auto" (unset), "xla", "pallas" or "reference"; else a one-line ValueError."""
     value = os.environ.get(IMPL_ENV_VAR, "").strip() or "auto"
-    if value not in IMPLS:
-        raise ValueError(f"unknown {IMPL_ENV_VAR}={value!r}: use one of {', '.join(IMPLS)}")
+    if value not in SETTINGS:
+        raise ValueError(f"unknown {IMPL_ENV_VAR}={value!r}: use one of {', '.join(SETTINGS)}")
     return value
 
 
@@ -348,14 +352,14 @@ def pallas_supports(
 def choose_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, *, setting=None, **where) -> str:
     """The implementation rotate_quantize(impl="auto") uses: "xla" or "pallas" (either output form).
 
-    setting (default: the environment, `impl_setting`): "xla" always XLA; "pallas" the kernels wherever
-    `pallas_supports` says they run, XLA elsewhere; "auto" the same as "pallas" if AUTO_PREFERS_PALLAS,
-    else XLA. Both give the same bits (tests/test_fused_quantize.py), so the choice is one of speed only.
-    `where` (device, device_count) is for tests.
+    setting (default: the environment, `impl_setting`): "xla" (and "reference") always XLA; "pallas" the
+    kernels wherever `pallas_supports` says they run, XLA elsewhere; "auto" the same as "pallas" if
+    AUTO_PREFERS_PALLAS, else XLA. Both give the same bits (tests/test_fused_quantize.py), so the choice
+    is one of speed only. `where` (device, device_count) is for tests.
     """
     setting = impl_setting() if setting is None else setting
-    if setting not in IMPLS:
-        raise ValueError(f"unknown quantize impl {setting!r}: use one of {', '.join(IMPLS)}")
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown quantize impl {setting!r}: use one of {', '.join(SETTINGS)}")
     wants_pallas = setting == "pallas" or (setting == "auto" and AUTO_PREFERS_PALLAS)
     if wants_pallas and pallas_supports(shape, axis, spec, rotation, **where):
         return "pallas"
@@ -382,7 +386,7 @@ def rotate_quantize(
       spec: an MX QuantSpec; rotation: a RotationSpec ("random" needs its `signs`, as
         quantized_dot's _rotation_signs draws them); key: for rounding="stochastic" (XLA path).
       out: "mx" -> MXArray; "fp8_fold" -> fold.FoldedOperand (E2M1 only, float8_e4m3fn).
-      impl: "auto" (`choose_impl`: FP4JAX_QUANTIZE_IMPL, XLA by default), "pallas", "xla".
+      impl: "auto" (`choose_impl`: FP4JAX_QUANTIZE_IMPL; Pallas where it runs by default), "pallas", "xla".
       interpret: run the Pallas kernels in interpret mode (CPU tests).
     """
     x = jnp.asarray(x)
