@@ -19,6 +19,7 @@ _MANTISSA_MASK = 0x7FFFFF
 # Largest finite code (sign bit clear) of each element format: the saturation point.
 MAX_CODE = {"e2m1": 0x7, "e4m3": 0x7E, "e5m2": 0x7B}
 MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
+_BITS_OF_2_TO_14 = (14 + 127) << 23
 
 
 def f32_bits(v: jax.Array) -> jax.Array:
@@ -98,16 +99,19 @@ def encode_e2m1_nearest_even(bits: jax.Array, exponent: jax.Array) -> jax.Array:
 def fold_e2m1_to_e4m3fn(code: jax.Array, shift: jax.Array) -> jax.Array:
     """The float8_e4m3fn bits of E2M1 value(code) * 2^shift, for shift in [-8, 6] (the fold's window).
 
-    Every such value is exact in E4M3FN (fold.py says why), so the bits are built directly: an E2M1
-    magnitude is 2^j (1 + b/2) with j = code//2 - 1 and b = code's low bit (b = 0 for code 1: 0.5),
-    times 2^shift. Normal in E4M3 for j + shift >= -6: exponent field j + shift + 7, mantissa b << 2;
-    below, a subnormal of (2 + b) 2^(j + shift + 8) units of 2^-9. Zero codes give +-0 (sign kept).
+    Every such value is exact in E4M3FN (fold.py says why), so no rounding happens: the value is built
+    as float32 bits (code 1 is 2^(shift-1); codes 2-7 add code << 22 to that, which steps the exponent
+    by code // 2 and sets the top mantissa bit to code's low bit), then re-biased to E4M3 (exponent
+    field - 120, the top three mantissa bits) where it is normal (>= 2^-6); below, it is a multiple of
+    E4M3's subnormal step 2^-9, and adding 2^14 (whose float32 step is 2^-9) leaves exactly the count of
+    steps in the low bits. Zero codes give +-0 (sign kept). `shift` may have size-1 axes: the per-block
+    part is then computed once per block.
     """
     magnitude = code & 0x7
-    j = (magnitude >> 1) - 1 + shift
-    b = jnp.where(magnitude > 1, magnitude & 1, 0)
-    normal = ((j + 7) << 3) | (b << 2)
-    subnormal = ((2 + b) << jnp.clip(j + 9, 0, 2)) >> 1
-    folded = jnp.where(j >= -6, normal, subnormal)
-    folded = jnp.where(magnitude == 0, 0, folded)
+    half = (126 + shift) << 23  # float32 bits of 2^(shift - 1), E2M1's 0.5 after the shift
+    value_bits = jnp.where(magnitude > 1, (magnitude << 22) + half, jnp.where(magnitude == 1, half, 0))
+    steps_of_2_to_14 = (
+        f32_bits(lax.bitcast_convert_type(value_bits, jnp.float32) + 2.0**14) - _BITS_OF_2_TO_14
+    )
+    folded = jnp.where(value_bits < (121 << 23), steps_of_2_to_14, (value_bits >> 20) - (120 << 3))
     return folded | ((code & 0x8) << 4)
