@@ -218,6 +218,25 @@ def test_apply_exponents_exact_where_normal():
     assert np.all(np.abs(got[tiny]) <= 2.0**-126)
 
 
+def test_apply_exponents_in_bfloat16_is_the_float32_result_rounded():
+    """A bfloat16 GEMM result scaled in bfloat16 == the float32 result scaled, then rounded to bfloat16."""
+    rng = np.random.default_rng(1)
+    mantissa = rng.integers(2**23, 2**24, 4000)
+    out = (mantissa * np.exp2(rng.integers(-26 - 23, 64 - 23, 4000)) * rng.choice([-1, 1], 4000)).astype(
+        np.float32
+    )
+    k = jnp.asarray(rng.integers(-266, 243, 4000), jnp.int32)
+    narrow = fold.apply_exponents(jnp.asarray(out).astype(jnp.bfloat16), k)
+    assert narrow.dtype == jnp.bfloat16
+    wide = fold.apply_exponents(jnp.asarray(out), k).astype(jnp.bfloat16)
+    magnitude = np.abs(np.asarray(wide, np.float32))
+    normal = (magnitude >= 2.0**-126) & np.isfinite(magnitude)
+    assert normal.sum() > 1000
+    np.testing.assert_array_equal(
+        np.asarray(narrow).view(np.uint16)[normal], np.asarray(wide).view(np.uint16)[normal]
+    )
+
+
 # ----------------------------------------------------------------------------------------------------
 # the fp8 product
 
@@ -270,6 +289,31 @@ def test_fp8_product_matches_emulate(fp8):
         assert np.all(bound < 1e-4 * np.abs(emulated).max(axis=(1, 2), keepdims=True) + np.abs(emulated))
     else:
         assert rtol < 1e-2
+
+
+def test_fp8_product_in_bfloat16_is_the_float32_product_rounded():
+    """out_dtype=bfloat16 (two MX operands): the GEMM's bfloat16 result, scaled in bfloat16, equals the
+    float32 product rounded to bfloat16 (CPU: bit for bit; GPU: the GEMM may accumulate in another
+    order, so within the lane's FP8 bound of the float32 product)."""
+    ka, kc = jax.random.split(jax.random.key(11))
+    a, c = _mx(ka, (2, 48, 512), spread=60), _mx(kc, (2, 40, 512), spread=60)
+    narrow = jax.jit(backends.fp8_matmul, static_argnums=(2, 3))(a, c, jnp.float8_e4m3fn, jnp.bfloat16)
+    assert narrow.dtype == jnp.bfloat16
+    wide = fp8_matmul_jit(a, c, jnp.float8_e4m3fn)
+    if ON_CPU:
+        np.testing.assert_array_equal(
+            np.asarray(narrow).view(np.uint16), np.asarray(wide.astype(jnp.bfloat16)).view(np.uint16)
+        )
+    else:
+        a_deq, c_deq = np.asarray(a.dequantize(), np.float64), np.asarray(c.dequantize(), np.float64)
+        bound, _ = _fp8_vs_emulate_bound(a_deq, c_deq, ("mx", "mx"))
+        difference = np.abs(np.asarray(narrow, np.float64) - np.asarray(wide, np.float64))
+        assert np.all(difference <= bound + 2.0**-8 * np.abs(np.asarray(wide, np.float64)))
+    # With a per-tensor FP8 operand (a non-power-of-two scale to apply) the product stays float32.
+    fp8 = quantize_fp8(jax.random.normal(kc, (2, 40, 512)), elem="e4m3")
+    assert jax.eval_shape(
+        lambda x, y: backends.fp8_matmul(x, y, jnp.float8_e4m3fn, jnp.bfloat16), a, fp8
+    ).dtype == (jnp.float32)
 
 
 def test_fp8_product_mx_times_per_tensor_fp8():

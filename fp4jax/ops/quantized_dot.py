@@ -203,11 +203,21 @@ def quantize_gemm_operands(a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key, 
     return qa, qc
 
 
-def _gemm(a, a_axis, c, c_axis, gemm: GemmSpec, key, fp8_scales, *, backend: str, precision) -> jax.Array:
-    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k."""
+def _gemm(a, a_axis, c, c_axis, gemm: GemmSpec, key, fp8_scales, out_dtype, *, backend: str, precision):
+    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k.
+
+    Float32, or already `out_dtype` (what the caller rounds it to) where the back end can give the
+    same values directly (backends.matmul).
+    """
     qa, qc = quantize_gemm_operands(a, a_axis, c, c_axis, gemm, key, fp8_scales, backend=backend)
-    out = backends.matmul(qa, qc, backend=backend, precision=_dot_precision(gemm, precision))
-    prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the product
+    prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the float32 product
+    out = backends.matmul(
+        qa,
+        qc,
+        backend=backend,
+        precision=_dot_precision(gemm, precision),
+        out_dtype=out_dtype if prescale == 1 else jnp.float32,
+    )
     return out if prescale == 1 else out / prescale
 
 
@@ -241,6 +251,7 @@ def _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
         recipe.fprop,
         _gemm_key(key, 0),
         _fp8_scales(recipe, fp8_meta, "fprop"),
+        out_dtype,
         backend=backend,
         precision=precision,
     )
@@ -272,12 +283,12 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     gemm = functools.partial(_gemm, backend=backend, precision=precision)
 
     # Dgrad contracts N: dy row-wise, W column-wise. Wgrad contracts M (tokens): both column-wise.
-    dx_bmk = gemm(
-        dy_bmn, -1, w_bnk, -2, recipe.dgrad, _gemm_key(key, 1), _fp8_scales(recipe, fp8_meta, "dgrad")
+    dgrad_scales, wgrad_scales = (
+        _fp8_scales(recipe, fp8_meta, "dgrad"),
+        _fp8_scales(recipe, fp8_meta, "wgrad"),
     )
-    dw_bkn = gemm(
-        x_bmk, -2, dy_bmn, -2, recipe.wgrad, _gemm_key(key, 2), _fp8_scales(recipe, fp8_meta, "wgrad")
-    )
+    dx_bmk = gemm(dy_bmn, -1, w_bnk, -2, recipe.dgrad, _gemm_key(key, 1), dgrad_scales, lhs.dtype)
+    dw_bkn = gemm(x_bmk, -2, dy_bmn, -2, recipe.wgrad, _gemm_key(key, 2), wgrad_scales, rhs.dtype)
     d_lhs = from_bfc(dx_bmk, lhs_layout).astype(lhs.dtype)
     d_rhs = from_bfc(_swap(dw_bkn), rhs_layout).astype(rhs.dtype)
     new_meta = None

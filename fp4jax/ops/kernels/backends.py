@@ -328,17 +328,27 @@ def _fold_or_fp8(x, fp8_dtype):
     return folded.data, folded.row_exponent, None
 
 
-def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn) -> jax.Array:
-    """out = dot_fp8(fold(a), fold(c)) * 2^Ea[m] * 2^Ec[n] (* 1/scale for an FP8Array operand), float32.
+def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn, out_dtype=jnp.float32) -> jax.Array:
+    """out = dot_fp8(fold(a), fold(c)) * 2^Ea[m] * 2^Ec[n] (* 1/scale for an FP8Array operand).
 
     Equal to `emulate` up to the summation order of the float32 accumulation, except for elements of
-    blocks the fold flushes (more than 14 binades below their row's top block; see fold.py).
+    blocks the fold flushes (more than 14 binades below their row's top block; see fold.py). Float32,
+    except that out_dtype=bfloat16 with only power-of-two exponents to apply (two MX operands) asks the
+    GEMM for bfloat16 directly: power-of-two scaling commutes with rounding, so the result equals the
+    float32 one rounded to bfloat16 wherever that is a normal number, and the GEMM writes half the bytes
+    (the scaling pass after it reads half as many).
     """
     a_data, a_exp, a_mult = _fold_or_fp8(a, fp8_dtype)
     c_data, c_exp, c_mult = _fold_or_fp8(c, fp8_dtype)
+    only_exponents = a_mult is None and c_mult is None
+    narrow = only_exponents and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
     precision = fp8_dot_precision(a_data, c_data)  # precise float32 accumulation on NVIDIA GPUs
     out = jax.lax.dot_general(
-        a_data, c_data, _BMK_BNK, precision=precision, preferred_element_type=jnp.float32
+        a_data,
+        c_data,
+        _BMK_BNK,
+        precision=precision,
+        preferred_element_type=out_dtype if narrow else jnp.float32,
     )
     exponent = jnp.zeros((), jnp.int32)
     if a_exp is not None:
@@ -355,14 +365,18 @@ def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn) -> jax.Array:
 # ----------------------------------------------------------------------------------------------------
 
 
-def matmul(a, c, *, backend: str, precision=None) -> jax.Array:
-    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k] in float32, by the chosen (resolved) back end."""
+def matmul(a, c, *, backend: str, precision=None, out_dtype=jnp.float32) -> jax.Array:
+    """out[b, m, n] = sum_k a[b, m, k] c[b, n, k] in float32, by the chosen (resolved) back end.
+
+    out_dtype: what the caller rounds the result to; a back end may return it in that dtype directly
+    where that gives the same values (fp8_matmul), else float32.
+    """
     if backend == "native" and native_supports(a, c):
         return _native(a, c)
     if backend == "fp8":
         fp8_dtype = _device_fold_dtype()
         if fp8_supports(a, c, fp8_dtype):
-            return fp8_matmul(a, c, fp8_dtype)
+            return fp8_matmul(a, c, fp8_dtype, out_dtype)
     if isinstance(a, fold.FoldedOperand) or isinstance(c, fold.FoldedOperand):
         raise TypeError(
             f"a folded operand runs on the fp8 back end only (backend {backend!r}, operands "

@@ -160,10 +160,12 @@ def apply_exponents(out: jax.Array, exponent: jax.Array) -> jax.Array:
     result is >= 2^161 and overflows to inf, as it should; if k2 < -126 it is below 2^-157, under half the
     smallest subnormal, and becomes a signed zero. So the result is exact whenever the true result is a
     normal float32; a subnormal one is rounded once by the second multiply (on a device that keeps
-    subnormals; XLA's CPU back end flushes it to zero).
+    subnormals; XLA's CPU back end flushes it to zero). A bfloat16 `out` (the GEMM's float32 result
+    rounded once) is scaled in bfloat16 the same way: it has float32's exponent range, so the same
+    holds for it.
     """
     k1 = jnp.clip(exponent, -95, 60)
     k2 = exponent - k1
-    scaled = out * pow2(k1)
+    scaled = out * pow2(k1).astype(out.dtype)
     second = jnp.where(k2 < -126, 0.0, pow2(jnp.clip(k2, -126, 127)))
-    return scaled * second
+    return scaled * second.astype(out.dtype)
