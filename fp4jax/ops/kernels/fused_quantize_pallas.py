@@ -10,8 +10,9 @@ so it computes exactly what the XLA path computes; only the tiling differs.
   keeps only each row's top non-zero block exponent; pass 2 walks it backwards (the chunks read last
   are the likeliest to still be in L2), re-quantizes and writes E4M3.
 - fp8_fold, method "via_mx" (both layouts): the mx kernel also writes each tile's part of the row
-  tops; a small row-wise kernel then folds its E2M1 output. It moves 1.06 more bytes per element but
-  keeps the transposing kernel small (the two-pass column kernel needs ~170 registers at sm_90).
+  tops; a small row-wise kernel then folds its E2M1 output, packed byte by packed byte (one uint16 of
+  two E4M3 codes each). It moves 1.06 more bytes per element but keeps the transposing kernel small
+  (the two-pass column kernel needs ~170 registers at sm_90).
 """
 
 from __future__ import annotations
@@ -323,7 +324,9 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, interpret):
 # kernels stay small). via_mx for both: on an H200 (2026-12-01) the row layout with H16 took 538 against
 # 671 us at 32768x2048 and 1,983 against 2,756 us at 32768x8192, and without rotation the two tied
 # (348 / 333, 1,288 / 1,326 us); in the 1B step it raised mxfp4_full_h16 from 46,385 to 49,924 tokens/s
-# (docs/performance.md). benchmarks/bench_quantize.py --sweep times both.
+# (docs/performance.md). After the short encoder and the packed-byte fold (2026-12-01, later) via_mx still
+# wins with H16 at 32768x2048: rows 345 against 445-481 us (two-pass tiles), columns 281 against 812.
+# benchmarks/bench_quantize.py --sweep times both.
 FOLD_METHOD = {False: "via_mx", True: "via_mx"}
 
 
