@@ -42,6 +42,17 @@ def _layer(recipe, backend):
     return run
 
 
+def _assert_same_products_as_reference(setting, recipe, backend, inputs, monkeypatch):
+    """y, dx and dw with FP4JAX_QUANTIZE_IMPL=setting equal the reference path's, bit for bit."""
+    inputs = tuple(inputs)
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
+    want = _layer(recipe, backend)(*inputs)
+    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, setting)
+    got = _layer(recipe, backend)(*inputs)
+    for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
+
+
 # Each rule once: H16 and random signs, SR's random bits, MX with E4M3 elements, MX meeting FP8 GEMMs,
 # on the back end that multiplies MXArrays (emulate) and the one that takes them folded (fp8).
 @pytest.mark.parametrize(
@@ -56,13 +67,7 @@ def _layer(recipe, backend):
     ],
 )
 def test_fused_wiring_gives_the_reference_products(recipe, backend, monkeypatch):
-    x, w, dy = _inputs()
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
-    want = _layer(recipe, backend)(x, w, dy)
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "xla")
-    got = _layer(recipe, backend)(x, w, dy)
-    for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
+    _assert_same_products_as_reference("xla", recipe, backend, _inputs(), monkeypatch)
 
 
 @pytest.mark.skipif(
@@ -76,13 +81,9 @@ def test_fused_wiring_gives_the_reference_products(recipe, backend, monkeypatch)
 )
 def test_pallas_wiring_gives_the_reference_products(recipe, backend, monkeypatch):
     """The compiled kernels in all three GEMMs (every axis a multiple of 256: every operand takes them)."""
-    x, w, dy = _inputs(2, m=256, k=512, n=256)
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
-    want = _layer(recipe, backend)(x, w, dy)
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "pallas")
-    got = _layer(recipe, backend)(x, w, dy)
-    for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
+    _assert_same_products_as_reference(
+        "pallas", recipe, backend, _inputs(2, m=256, k=512, n=256), monkeypatch
+    )
 
 
 @pytest.mark.parametrize("axis", [-1, -2])
