@@ -206,11 +206,19 @@ def _pack_e2m1(codes: jax.Array) -> jax.Array:
     return jnp.sum((codes.reshape(-1, 2) & 0xF) << shift, axis=1)
 
 
+def fold_window(exponent, row_top, shift: int):
+    """Per block: (the power of two its E2M1 values are scaled by in the fold, whether it is in the window).
+
+    Blocks more than fold.WINDOW binades below their row's top block are outside (flushed to +0).
+    """
+    delta = exponent - row_top
+    return jnp.clip(delta, -fold.WINDOW, 0) + shift, delta >= -fold.WINDOW
+
+
 def _fold_codes(codes, exponent, nonzero, row_top, nan_row, shift: int):
     """E4M3FN codes of q 2^(e_b - top + shift), flushed blocks +0, NaN rows NaN (fold.py's rule)."""
-    delta = exponent - row_top
-    in_window = delta >= -fold.WINDOW
-    folded = fold_e2m1_to_e4m3fn(codes, (jnp.clip(delta, -fold.WINDOW, 0) + shift)[:, None])
+    block_shift, in_window = fold_window(exponent, row_top, shift)
+    folded = fold_e2m1_to_e4m3fn(codes, block_shift[:, None])
     folded = jnp.where(in_window[:, None], folded, 0)
     folded = jnp.where(nan_row[:, None], _E4M3FN_NAN, folded)
     flushed = nonzero & ~in_window & ~nan_row

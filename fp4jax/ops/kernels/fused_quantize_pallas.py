@@ -270,9 +270,8 @@ def _fold_from_mx_kernel(data_ref, scale_ref, top_ref, nan_ref, out_ref, flushed
     nb, per_block = scale_ref.shape[1], block_size // 2
     by_block = packed.reshape(rows, nb, per_block)
     scale = scale_ref[...].astype(jnp.int32).reshape(rows, nb, 1)
-    delta = scale - formats.SCALE_BIAS - top_ref[...].reshape(rows, 1, 1)
-    in_window = delta >= -fold.WINDOW
-    shift = jnp.clip(delta, -fold.WINDOW, 0) + fold.fold_shift(jnp.float8_e4m3fn)
+    exponent, row_top = scale - formats.SCALE_BIAS, top_ref[...].reshape(rows, 1, 1)
+    shift, in_window = fq.fold_window(exponent, row_top, fold.fold_shift(jnp.float8_e4m3fn))
     pair = fold_e2m1_to_e4m3fn(by_block & 0xF, shift) | (fold_e2m1_to_e4m3fn(by_block >> 4, shift) << 8)
     pair = jnp.where(in_window, pair, 0)
     nan_row = nan_ref[...].reshape(rows, 1, 1) > 0
