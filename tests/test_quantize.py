@@ -533,6 +533,32 @@ def test_quantize_fp8_explicit_scale_saturates(elem):
     _assert_fp8_dequant(q.dequantize(jnp.float32), ref.dequantize_fp8(want_data, scale))
 
 
+def _fp8_rounding_probes(elem: str) -> np.ndarray:
+    """Every midpoint of the non-negative grid, one float32 ulp either side of it, the grid itself, the
+    band above max (its would-be next midpoint, inf) and half the smallest subnormal; both signs."""
+    bits = np.arange(128, dtype=np.uint8).view(ref.ELEMS[elem].dtype).astype(np.float64)
+    grid = np.unique(bits[np.isfinite(bits)])
+    mids = ((grid[:-1] + grid[1:]) / 2).astype(np.float32)  # exact: one more significant bit than the grid
+    top = np.float32(ref.ELEMS[elem].max)
+    tail = np.array([top * 1.0625, np.nextafter(top, np.inf), np.inf, grid[1] / 2], np.float32)
+    probes = np.concatenate(
+        [grid.astype(np.float32), mids, np.nextafter(mids, np.inf), np.nextafter(mids, 0), tail, tail * 1.001]
+    )
+    return np.concatenate([probes, -probes]).astype(np.float32)
+
+
+@pytest.mark.parametrize("elem", ("e4m3", "e5m2"))
+def test_quantize_fp8_rounds_every_midpoint_once(elem):
+    """The cast rounds once, half to even, subnormals included: a float32 -> float16 -> FP8 conversion
+    would turn "just above a midpoint" into a tie and fail here."""
+    x = _fp8_rounding_probes(elem)
+    want = ref.round_to_grid(x.astype(np.float64), elem, "nearest_even").astype(ref.ELEMS[elem].dtype)
+    q = jax.jit(functools.partial(quantize_fp8, elem=elem))(jnp.asarray(x), scale=jnp.float32(1.0))
+    got = np.asarray(q.data)
+    bad = got.view(np.uint8) != want.view(np.uint8)
+    assert not bad.any(), f"{bad.sum()} differ: x {x[bad][:5]} got {got[bad][:5]} want {want[bad][:5]}"
+
+
 def test_quantize_fp8_zero_tensor():
     q = jax.jit(functools.partial(quantize_fp8, elem="e4m3"))(jnp.zeros((4, 8)))
     assert float(q.scale) == 1.0
