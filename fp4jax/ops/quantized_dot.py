@@ -179,6 +179,12 @@ def _quantize_side(x, axis: int, spec: QuantSpec, rotation: RotationSpec, signs,
         return fused_quantize.rotate_quantize(
             x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl=impl
         )
+    if spec.kind == "fp8" and rotation.kind == "none":
+        # Per-tensor FP8 is elementwise, so it commutes with the transpose. Quantizing first gives each
+        # tensor one amax and one cast that XLA's CSE shares between the two GEMMs reading it (x: Fprop
+        # and Wgrad, dy: Dgrad and Wgrad, W: Fprop and Dgrad); the transpose then moves FP8 bytes.
+        q = quantize_operand(x, spec, key, fp8_scale)
+        return q if axis == -1 else quantize.FP8Array(data=_swap(q.data), scale=q.scale)
     x = x if axis == -1 else _swap(x)
     if rotation.kind != "none":
         x = rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
