@@ -36,6 +36,7 @@ from fp4jax.ops import (
     get_recipe,
     make_dot_general,
     mx_dot_general,
+    quantized_dot,
 )
 
 Op = ref.Operand
@@ -278,6 +279,32 @@ def test_dimension_numbers_match_reference(name, case):
     want = _reference(name, lhs, rhs, dy, subs)
     for g, w, what in zip(got, want, ("y", "dlhs", "drhs"), strict=True):
         _assert_close(g, w, f"{name} {case} {what}")
+
+
+# (shape, contracting dims, batch dims) -> whether the GEMMs take the operand as it lies, contracting on -2.
+CONTRACTION_FIRST = {
+    ((48, 24), (0,), ()): True,  # a Dense kernel (K, N)
+    ((3, 48, 24), (1,), (0,)): True,  # a batched kernel
+    ((6, 8, 24), (0, 1), ()): True,  # (heads, head_dim, N): an attention output projection
+    ((24, 48), (1,), ()): False,  # (N, K)
+    ((4, 40, 48), (2,), ()): False,  # activations (B, T, K)
+    ((8, 6, 24), (1, 0), ()): False,  # contracting dims in the other order: no view without a transpose
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTRACTION_FIRST, key=str))
+def test_gemm_view_reads_contraction_first_operands_in_place(case):
+    shape, contract, batch = case
+    layout = quantized_dot.operand_layouts(shape, shape, ((contract, contract), (batch, batch)))[0]
+    assert layout.contraction_first == CONTRACTION_FIRST[case]
+    x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+    view, axis = quantized_dot.to_gemm_view(x, layout)
+    assert axis == (-2 if layout.contraction_first else -1)
+    as_bfc = view if axis == -1 else jnp.swapaxes(view, 1, 2)
+    np.testing.assert_array_equal(as_bfc, quantized_dot.to_bfc(x, layout))
+    if layout.contraction_first:
+        np.testing.assert_array_equal(view.reshape(shape), x)  # the data as it lies
+        np.testing.assert_array_equal(quantized_dot.from_bcf(view, layout), x)
 
 
 @pytest.mark.parametrize("name", ["mxfp4_full_h16", "mxfp4_full_h16_wgrad_only"])
