@@ -23,6 +23,10 @@ def _trace(tmp_path):
         {"ph": "X", "pid": 1, "name": "loop_multiply_fusion", "dur": 500.0},
         {"ph": "X", "pid": 1, "name": "loop_multiply_fusion", "dur": 500.0},
         {"ph": "X", "pid": 1, "name": "mystery", "dur": 250.0},
+        {"ph": "X", "pid": 1, "name": "nvjet_sm90_qrsss_128x160_128x5_2x1_v_bz_TNT", "dur": 700.0},
+        {"ph": "X", "pid": 1, "name": "nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_TNT", "dur": 400.0},
+        {"ph": "X", "pid": 1, "name": "fused_rotate_quantize_mx__5", "dur": 300.0},
+        {"ph": "X", "pid": 1, "name": "fused_fold_from_mx__4", "dur": 100.0},
         {"ph": "X", "pid": 2, "name": "PjitFunction(train_step)", "dur": 99999.0},  # host: ignored
     ]
     folder = tmp_path / "profile" / "plugins" / "profile" / "run"
@@ -35,13 +39,14 @@ def _trace(tmp_path):
 def test_breakdown_sums_gpu_kernels_by_category(tmp_path):
     by_cat, kernels = kb.breakdown(kb.load_events(str(_trace(tmp_path))))
     assert by_cat == {
-        "fp8 gemm": 3.0,
-        "gemm": 2.0,
+        "fp8 gemm": 3.7,  # by name (e4m3) and nvjet's type letters (q, r)
+        "gemm": 2.4,
         "attention": 1.0,
         "elementwise fusion": 1.0,
+        "quantizer (Pallas)": 0.4,
         "other": 0.25,
     }
     assert kernels[0] == ("sm90_xmma_gemm_e4m3e4m3_f32", 3.0, 1)
     assert ("loop_multiply_fusion", 1.0, 2) in kernels
     table = kb.to_markdown(by_cat, kernels, steps=2, top=3)
-    assert "| fp8 gemm | 1.50 | 41.4% |" in table
+    assert "| fp8 gemm | 1.85 | 42.3% |" in table
