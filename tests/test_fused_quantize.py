@@ -136,7 +136,8 @@ def test_rotation_equals_rotate_blocks_where_sums_are_exact():
 
 
 def test_rotation_spellings_give_the_same_bits():
-    """The two spellings agree bit for bit on every lane, and no zero *sum* comes out as -0.
+    """The spellings (slices, reductions, parts) agree bit for bit on every lane, and no zero *sum* comes
+    out as -0.
 
     A -0 output is still legitimate where the final multiply by c = hadamard(size)[0, 0] (1/4, 1/sqrt(32))
     underflows a non-zero subnormal sum: a GPU keeps subnormals, so a sum of -2^-149 times 1/4 rounds to
@@ -149,10 +150,15 @@ def test_rotation_spellings_give_the_same_bits():
         signs = jnp.tile(random_signs(jax.random.key(size), size), 128 // size)[None]
         slices = fq.hadamard_rotate(x, size, signs, spelling="slices")
         reductions = fq.hadamard_rotate(x, size, signs, spelling="reductions")
+        # hadamard_parts: part k is element k of every block; interleaved back into the row order.
+        parts, sign_parts = ([v[:, k::size] for k in range(size)] for v in (x, signs))
+        by_parts = fq.hadamard_parts(parts, sign_parts)
+        by_parts = jnp.stack(by_parts, axis=-1).reshape(x.shape)
         # Bits equal, except that a NaN's sign is unspecified (a NaN makes its block NaN either way).
         nan = np.isnan(np.asarray(slices))
-        np.testing.assert_array_equal(nan, np.isnan(np.asarray(reductions)))
-        np.testing.assert_array_equal(_bits(slices)[~nan], _bits(reductions)[~nan])
+        for other in (reductions, by_parts):
+            np.testing.assert_array_equal(nan, np.isnan(np.asarray(other)))
+            np.testing.assert_array_equal(_bits(slices)[~nan], _bits(other)[~nan])
         negative_zero = _bits(slices) == 0x80000000
         if jax.default_backend() == "cpu":
             assert not np.any(negative_zero)  # zero sums are +0 by definition
@@ -279,6 +285,18 @@ def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding
         impl="pallas",
         signs=signs,
     )
+    fq._rotate_quantize.clear_cache()
+
+
+def test_pallas_rotation_by_tiles_still_matches_reference(monkeypatch):
+    """The mx kernel's other rotation spelling (butterflies over reshaped tiles, ROTATE_BY_PARTS off)."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    monkeypatch.setattr(kernels, "ROTATE_BY_PARTS", False)
+    fq._rotate_quantize.clear_cache()
+    x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=9))
+    for axis in (-1, -2):
+        _check(x, axis=axis, spec=QuantSpec(kind="mx"), rotation=H16, out="mx", impl="pallas", signs=None)
     fq._rotate_quantize.clear_cache()
 
 

@@ -110,6 +110,30 @@ def hadamard_rotate(
     return jnp.where(v == 0, 0.0, v) * float(hadamard(size)[0, 0])
 
 
+def hadamard_parts(parts: list[jax.Array], sign_parts: list[jax.Array] | None = None) -> list[jax.Array]:
+    """hadamard_rotate on the "parts" form of v: parts[k] holds element k of every run of len(parts).
+
+    The same butterfly, pair for pair and rounding for rounding, so the same bits: the signs first, then
+    for h = 1, 2, 4, ... parts i and i + h of each group of 2h become a + b and a - b, then zeros made +0
+    and the scale c. Every operation is elementwise between equally shaped parts, so a Triton kernel
+    that loads the parts with strided reads needs no reshape or cross-thread exchange for the rotation
+    (fused_quantize_pallas).
+    """
+    size = len(parts)
+    if sign_parts is not None:
+        parts = [p * s for p, s in zip(parts, sign_parts, strict=True)]  # +-1: exact
+    h = 1
+    while h < size:
+        paired = list(parts)
+        for start in range(0, size, 2 * h):
+            for i in range(start, start + h):
+                paired[i], paired[i + h] = parts[i] + parts[i + h], parts[i] - parts[i + h]
+        parts = paired
+        h *= 2
+    scale = float(hadamard(size)[0, 0])
+    return [jnp.where(p == 0, 0.0, p) * scale for p in parts]
+
+
 def _butterfly_slices(v3: jax.Array) -> jax.Array:
     a, b = v3[:, 0, :], v3[:, 1, :]
     return jnp.stack([a + b, a - b], axis=1)
@@ -139,6 +163,12 @@ def _block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
     """Float32 bits (R, bs), block exponents (R,), finite (R,), non-zero after rounding (R,)."""
     bits = f32_bits(v.reshape(-1, spec.block_size))
     amax_bits = jnp.max(bits & _ABS_MASK, axis=-1)
+    return (bits, *block_info_from_amax(amax_bits, fmt, spec))
+
+
+def block_info_from_amax(amax_bits: jax.Array, fmt: ElemFormat, spec: QuantSpec):
+    """Block exponents, finite, non-zero after rounding, from the float32 bits of each block's largest
+    magnitude (any shape; with a prescale, one-dimensional)."""
     finite = amax_bits < _INF_BITS
     exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, spec.scale_mode)
     # Rounding (and the prescale's multiply) is monotone, so a block is non-zero iff its largest
@@ -149,7 +179,7 @@ def _block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
         prescaled = _prescaled_bits(amax_bits[:, None], exponent, finite, spec)[:, 0]
         top = encode(prescaled, 0, fmt, _nearest(spec))
     nonzero = finite & ((top & MAGNITUDE_MASK[fmt.name]) > 0)
-    return bits, exponent, finite, nonzero
+    return exponent, finite, nonzero
 
 
 def _prescaled(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
@@ -178,12 +208,17 @@ def _quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, key=None, bit
         nonzero = finite & (jnp.max(codes & MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
     elif spec.prescale != 1:  # XLA path only: the value is rounded once by the multiply, then encoded
         codes = encode(_prescaled_bits(bits, exponent, finite, spec), 0, fmt, spec.rounding)
-    elif fmt.name == "e2m1" and spec.rounding == "nearest_even":  # the study's format: the short path
-        codes = encode_e2m1_nearest_even(bits, exponent[:, None])
     else:
-        codes = encode(bits, exponent[:, None], fmt, spec.rounding)
+        codes = encode_nearest(bits, exponent[:, None], fmt, spec)
     codes = jnp.where(finite[:, None], codes, 0)
     return codes, exponent, finite, nonzero
+
+
+def encode_nearest(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, spec: QuantSpec) -> jax.Array:
+    """Codes (with sign) of float32 `bits` scaled by 2^-exponent, rounded to nearest (spec.rounding)."""
+    if fmt.name == "e2m1" and spec.rounding == "nearest_even":  # the study's format: the short path
+        return encode_e2m1_nearest_even(bits, exponent)
+    return encode(bits, exponent, fmt, spec.rounding)
 
 
 def _stochastic_codes(bits, exponent, finite, fmt, spec, key, bits_shape):

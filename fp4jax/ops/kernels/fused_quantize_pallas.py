@@ -87,16 +87,68 @@ def _params(tile: Tile):
 # out="mx"
 
 
+# Whether the mx kernel rotates "by parts" (strided reads, fused_quantize.hadamard_parts) where it can,
+# instead of butterflies over reshaped tiles. The same bits either way; a switch for timing both.
+ROTATE_BY_PARTS = True
+
+
+def _by_parts(spec, rotation) -> bool:
+    return ROTATE_BY_PARTS and rotation.kind != "none" and spec.block_size % rotation.size == 0
+
+
+def _load_part(x_ref, column: bool, k: int, size: int):
+    """Element k of every run of `size` along the quantized axis, as an (output rows, runs) float32 tile."""
+    runs = (x_ref.shape[0] if column else x_ref.shape[1]) // size
+    if column:
+        return x_ref[pl.ds(k, runs, stride=size), :].T.astype(jnp.float32)
+    return x_ref[:, pl.ds(k, runs, stride=size)].astype(jnp.float32)
+
+
+def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt):
+    """The rotated tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
+
+    Part k (fused_quantize.hadamard_parts) holds element k of every rotation block, read from x with
+    stride rotation.size; an MX block is `per_block` consecutive rotation blocks. Codes go back out with
+    the same stride (halved for packed E2M1: byte p of a rotation block holds its elements 2p, 2p + 1).
+    """
+    size = rotation.size
+    parts = [_load_part(x_ref, column, k, size) for k in range(size)]
+    rows, runs = parts[0].shape
+    signs = None if s_ref is None else [s_ref[:, pl.ds(k, runs, stride=size)] for k in range(size)]
+    bits = [fq.f32_bits(p) for p in fq.hadamard_parts(parts, signs)]
+    per_block = spec.block_size // size
+    amax = functools.reduce(jnp.maximum, [b & 0x7FFFFFFF for b in bits])
+    amax = jnp.max(amax.reshape(rows, runs // per_block, per_block), axis=-1)
+    exponent, finite, nonzero = fq.block_info_from_amax(amax, fmt, spec)
+
+    def per_run(v):  # (rows, blocks) -> (rows, runs)
+        return jnp.broadcast_to(v[:, :, None], (rows, runs // per_block, per_block)).reshape(rows, runs)
+
+    e, f = per_run(exponent), per_run(finite)
+    codes = [jnp.where(f, fq.encode_nearest(b, e, fmt, spec), 0) for b in bits]
+    if fmt.name == "e2m1":
+        for p in range(size // 2):
+            byte = (codes[2 * p] & 0xF) | ((codes[2 * p + 1] & 0xF) << 4)
+            data_ref[:, pl.ds(p, runs, stride=size // 2)] = byte.astype(jnp.uint8)
+    else:
+        for k in range(size):
+            data_ref[:, pl.ds(k, runs, stride=size)] = codes[k].astype(jnp.uint8)
+    return exponent, finite, nonzero
+
+
 def _mx_kernel(x_ref, *refs, column, spec, rotation, has_signs, with_tops):
     s_ref = refs[0] if has_signs else None
     outs = refs[1:] if has_signs else refs
     data_ref, scale_ref = outs[:2]
     fmt = get_elem_format(spec.elem)
-    t = _rotate(_load_tile(x_ref, column), rotation, s_ref)
-    rows = t.shape[0]
-    codes, exponent, finite, nonzero = fq._quantize_tile(t, fmt, spec)
-    data = fq._pack_e2m1(codes) if fmt.name == "e2m1" else codes
-    data_ref[...] = data.reshape(rows, -1).astype(jnp.uint8)
+    rows = data_ref.shape[0]
+    if _by_parts(spec, rotation):
+        exponent, finite, nonzero = _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt)
+    else:
+        t = _rotate(_load_tile(x_ref, column), rotation, s_ref)
+        codes, exponent, finite, nonzero = fq._quantize_tile(t, fmt, spec)
+        data = fq._pack_e2m1(codes) if fmt.name == "e2m1" else codes
+        data_ref[...] = data.reshape(rows, -1).astype(jnp.uint8)
     scale_ref[...] = fq._scale_bits(exponent, finite).reshape(rows, -1).astype(jnp.uint8)
     if with_tops:  # this tile's part of each row's top non-zero block exponent, and of its NaN flag
         top_ref, nan_ref = outs[2:]
