@@ -4,7 +4,9 @@ Every kernel body calls fused_quantize's tile functions (hadamard_rotate, _quant
 so it computes exactly what the XLA path computes; only the tiling differs.
 
 - mx: a 2-D grid of (tm, tk) tiles of x; a column-wise tile is transposed in registers, so both layouts
-  read x once and write the transposed output directly.
+  read x once and write the transposed output directly. A rotated tile is read "by parts" (part k =
+  element k of every rotation block, a strided read), so the butterflies are elementwise between parts
+  (fused_quantize.hadamard_parts) and the codes are written back with the same stride.
 - fp8_fold, method "two_pass" (kept for comparison; FOLD_METHOD picks via_mx): one program per strip
   of whole output rows (a contract-B row spans the whole contraction axis). Pass 1 walks the strip and
   keeps only each row's top non-zero block exponent; pass 2 walks it backwards (the chunks read last
