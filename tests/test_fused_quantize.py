@@ -258,6 +258,7 @@ def test_batch_dimensions_and_fold_flushes():
         (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "mx"),
         (-2, H16, "even", "nearest_away", "e2m1", "mx"),
         (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "mx"),
+        (-2, RANDOM32, "floor", "nearest_even", "e2m1", "mx"),
         (-2, H32, "even", "nearest_even", "e4m3", "mx"),
         (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "two_pass"),
         (-2, H16, "even", "nearest_away", "e2m1", "two_pass"),
