@@ -13,8 +13,10 @@ both operands along the contraction axis from the high-precision tensors, and mu
 accumulation. A quantized tensor is never reused across a change of contraction axis. The contract,
 rule by rule: docs/numerics.md.
 
-Fprop's operands and Dgrad's dy contract on their last axis (row-wise); Dgrad's W and both Wgrad operands
-on their middle axis (column-wise). The reference path moves the contraction last, rotates
+Each operand reaches its GEMMs as a (B, *, *) view that contracts on its last axis (row-wise) or its
+middle axis (column-wise), whichever needs no copy of it (`to_gemm_view`): x (B, M, K) is row-wise in
+Fprop and column-wise in Wgrad, a Dense kernel W (B, K, N) column-wise in Fprop and row-wise in Dgrad, dy
+row-wise in Dgrad and column-wise in Wgrad. The reference path moves the contraction last, rotates
 (rotation.rotate_blocks) and quantizes (quantize.quantize_mx); where the Pallas kernels run (one NVIDIA
 GPU) or FP4JAX_QUANTIZE_IMPL=xla asks for it, an MX operand is instead rotated and quantized in one pass
 by fused_quantize.rotate_quantize, which reads a column-wise operand in place and, for the fp8 back end,
@@ -341,10 +343,7 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     )
     d_lhs = from_bfc(dx_bmk, lhs_layout).astype(lhs.dtype)
     # dw is (B, K, N) = (B, C, F) of W: W's own order when W is contraction-first.
-    d_rhs = (
-        from_bcf(dw_bkn, rhs_layout) if rhs_layout.contraction_first else from_bfc(_swap(dw_bkn), rhs_layout)
-    )
-    d_rhs = d_rhs.astype(rhs.dtype)
+    d_rhs = from_bcf(dw_bkn, rhs_layout).astype(rhs.dtype)
     new_meta = None
     if fp8_meta is not None:
         update = quantize.fp8_amax_history_update

@@ -1,7 +1,8 @@
 """Pallas (Triton) kernels for fused_quantize: the same tile functions, one HBM pass per operand.
 
-Every kernel body calls fused_quantize's tile functions (hadamard_rotate, _quantize_tile, _fold_codes),
-so it computes exactly what the XLA path computes; only the tiling differs.
+Every kernel body calls fused_quantize's tile functions (hadamard_rotate or hadamard_parts,
+_quantize_tile or block_info_from_amax and encode_nearest, _fold_codes), so it computes exactly what the
+XLA path computes; only the tiling differs.
 
 - mx: a 2-D grid of (tm, tk) tiles of x; a column-wise tile is transposed in registers, so both layouts
   read x once and write the transposed output directly. A rotated tile is read "by parts" (part k =
@@ -119,7 +120,7 @@ def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt):
     signs = None if s_ref is None else [s_ref[:, pl.ds(k, runs, stride=size)] for k in range(size)]
     bits = [fq.f32_bits(p) for p in fq.hadamard_parts(parts, signs)]
     per_block = spec.block_size // size
-    amax = functools.reduce(jnp.maximum, [b & 0x7FFFFFFF for b in bits])
+    amax = functools.reduce(jnp.maximum, [b & fq._ABS_MASK for b in bits])
     amax = jnp.max(amax.reshape(rows, runs // per_block, per_block), axis=-1)
     exponent, finite, nonzero = fq.block_info_from_amax(amax, fmt, spec)
 
