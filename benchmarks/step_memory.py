@@ -79,8 +79,9 @@ def request_dump() -> str:
 
 
 def measure(config, recipe: str, dump_dir: str) -> dict:
-    config = setup.resolve_config(config.copy_and_resolve_references())
+    config = config.copy_and_resolve_references()
     config.recipe = recipe
+    config = setup.resolve_config(config)  # checks the recipe: an unknown one is a one-line error
     mesh = setup.make_run_mesh(config)
     before = set(glob.glob(os.path.join(dump_dir, "*live-range.txt")))
     with sharding_context(mesh):

@@ -5,6 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from fp4jax.training.errors import ConfigError
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(
     0, os.path.join(ROOT, "benchmarks")
@@ -41,3 +45,10 @@ def test_step_memory_runs_on_the_tiny_config(tmp_path):
     temp_gb, buffers = float(row.split("|")[2]), int(row.split("|")[6])
     assert temp_gb > 0 and buffers > 0  # the dump was written and its peak section parsed
     assert table.count("| `") == 3  # --top 3 buffers listed
+
+
+def test_unknown_recipe_is_a_one_line_error(tmp_path):
+    config = sm.bench_train.load_config(os.path.join(ROOT, "configs", "tiny_c4_h16.py"), [])
+    with pytest.raises(ConfigError, match="no_such_recipe") as raised:
+        sm.measure(config, "no_such_recipe", str(tmp_path))
+    assert "\n" not in str(raised.value)
