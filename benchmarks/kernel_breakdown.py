@@ -23,29 +23,28 @@ import re
 
 import harness  # benchmarks/harness.py (this folder is on sys.path when run as a script)
 
-# (category, substrings of a kernel name). Order matters: the first rule that matches wins.
-CATEGORIES = (
-    ("quantizer (Pallas)", ("fused_rotate_quantize", "fused_fold")),  # fused_quantize_pallas's kernels
-    ("attention", ("cudnn", "flash", "fmha", "attention")),
-    ("fp8 gemm", ("e4m3", "e5m2", "fp8", "f8f8")),
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "triton_dot")),
-    ("collective", ("nccl", "all_reduce", "all-gather", "reduce_scatter", "allreduce")),
-    ("memcpy/memset", ("memcpy", "memset")),
-    ("reduction", ("reduce", "reduction")),
-    ("elementwise fusion", ("fusion", "loop_", "input_", "convert", "wrapped_", "triton")),
+# (category, pattern searched in the lower-cased kernel name). Order matters: the first rule that matches
+# wins. cuBLAS's nvjet kernels spell the operand types as letters after the architecture, A's first:
+# q = E4M3, r = E5M2 (t = bf16, s = f32, h = f16), so nvjet_sm90_qrsss_... is an FP8 GEMM and
+# nvjet_sm90_tss_... is not.
+CATEGORIES = tuple(
+    (cat, re.compile(pattern))
+    for cat, pattern in (
+        ("quantizer (Pallas)", r"fused_rotate_quantize|fused_fold"),  # fused_quantize_pallas's kernels
+        ("attention", r"cudnn|flash|fmha|attention"),
+        ("fp8 gemm", r"e4m3|e5m2|fp8|f8f8|nvjet_sm\d+a?_[qr]"),
+        ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|triton_dot"),
+        ("collective", r"nccl|all_reduce|all-gather|reduce_scatter|allreduce"),
+        ("memcpy/memset", r"memcpy|memset"),
+        ("reduction", r"reduce|reduction"),
+        ("elementwise fusion", r"fusion|loop_|input_|convert|wrapped_|triton"),
+    )
 )
-
-
-# cuBLAS's nvjet kernels spell the operand types as letters after the architecture, A's first: q = E4M3,
-# r = E5M2 (t = bf16, s = f32, h = f16). nvjet_sm90_qrsss_... is an FP8 GEMM, nvjet_sm90_tss_... is not.
-_NVJET_FP8 = re.compile(r"nvjet_sm\d+a?_[qr]")
 
 
 def category(name: str) -> str:
     lower = name.lower()
-    if _NVJET_FP8.search(lower):
-        return "fp8 gemm"
-    return next((cat for cat, keys in CATEGORIES if any(k in lower for k in keys)), "other")
+    return next((cat for cat, pattern in CATEGORIES if pattern.search(lower)), "other")
 
 
 def load_events(folder: str) -> list[dict]:
