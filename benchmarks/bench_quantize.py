@@ -1,7 +1,7 @@
 """Fused rotate+quantize(+fold) against the reference XLA path: effective TB/s and bit-equality, on GPU.
 
     PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
-        [--tiles mx-row=32x256x4,...] [--sweep] [--out FILE.md]
+        [--tiles mx-row=32x256x4,...] [--sweep | --column-parts 0,8,16,32] [--out FILE.md]
 
 For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: contract B's E4M3 +
@@ -160,7 +160,7 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls)
 # entry "via_mx" times the other fold method (MX kernel, then a fold of its output) instead.
 SWEEP = {
     ("mx", False): [(32, 256, 4), (64, 256, 8), (16, 512, 4)],
-    ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4)],
+    ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4)],  # also the column-parts sweep's
     ("fp8_fold", False): [(8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4), "via_mx"],
     ("fp8_fold", True): ["via_mx", (16, 256, 8), (32, 128, 8)],
 }
@@ -202,6 +202,31 @@ def sweep(m: int, k: int, iters: int) -> list[tuple]:
     return rows
 
 
+def column_parts_sweep(m: int, k: int, iters: int, sizes: list[int]) -> list[tuple]:
+    """Times the unrotated column-wise kernels (mx, and the fold through it) for each COLUMN_PARTS size
+    (0: the whole tile transposed) and each candidate column tile, then restores the defaults."""
+    rows = []
+    inputs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in jax.random.split(jax.random.key(2), 3)]
+    rotation = ROTATIONS["none"]
+    default_parts, defaults = kernels.COLUMN_PARTS, dict(kernels.TILES)
+    for out in fq.OUTPUTS:
+        want = _reference_fn(-2, rotation, out, _butterfly_rotate)(inputs[0])
+        for size in sizes:
+            for tile in SWEEP["mx", True]:
+                kernels.COLUMN_PARTS = size
+                kernels.TILES["mx", True] = kernels.TILES["mx_unrotated", True] = kernels.Tile(*tile)
+                fq._rotate_quantize.clear_cache()  # both are read when the kernel is traced
+                fn = _fused_fn(-2, rotation, out, "pallas")
+                seconds, tbs, same = _time_candidate(fn, inputs, want, m, k, out, iters)
+                name = f"parts {size} tile {'x'.join(map(str, tile))}"
+                rows.append((f"{m}x{k}", "none", "col", out, name, seconds * 1e6, tbs, same, "", 0))
+                print(f"parts {m}x{k} col {out:8s} {name:24s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s {same}")
+    kernels.COLUMN_PARTS = default_parts
+    kernels.TILES.update(defaults)
+    fq._rotate_quantize.clear_cache()
+    return rows
+
+
 def to_markdown(rows, command: str) -> str:
     lines = [
         harness.heading("Fused rotate+quantize"),
@@ -239,6 +264,12 @@ def main():
     )
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument("--sweep", action="store_true", help="only time candidate Pallas tiles (first shape)")
+    parser.add_argument(
+        "--column-parts",
+        default="",
+        help="only time the unrotated column kernels for these COLUMN_PARTS sizes, e.g. 0,8,16,32 "
+        "(first shape; 0 = whole-tile transpose), each with the candidate column tiles",
+    )
     args = parser.parse_args()
     for item in filter(None, args.tiles.split(",")):
         name, dims = item.split("=")
@@ -247,7 +278,11 @@ def main():
         kernels.TILES[out, layout == "col"] = kernels.Tile(rows, cols, warps)
     shapes = [_pair(s) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
-    rows = sweep(*shapes[0], args.iters) if args.sweep else run(shapes, args.iters, impls)
+    if args.column_parts:
+        sizes = [int(v) for v in args.column_parts.split(",")]
+        rows = column_parts_sweep(*shapes[0], args.iters, sizes)
+    else:
+        rows = sweep(*shapes[0], args.iters) if args.sweep else run(shapes, args.iters, impls)
     tiles = ",".join(
         f"{out}-{'col' if column else 'row'}={t.rows}x{t.cols}x{t.warps}"
         for (out, column), t in kernels.TILES.items()
@@ -255,6 +290,7 @@ def main():
     command = f"python benchmarks/bench_quantize.py --shapes {args.shapes} --iters {args.iters}"
     command += f" --impls {args.impls}"
     command += " --sweep" if args.sweep else ""
+    command += f" --column-parts {args.column_parts}" if args.column_parts else ""
     command += f" --tiles {tiles}"
     harness.emit(to_markdown(rows, command), args.out)
 

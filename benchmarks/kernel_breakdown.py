@@ -8,7 +8,8 @@ Reads every `*.trace.json.gz` under the folder (jax.profiler's Perfetto export),
 ("ph": "X") on the GPU device processes, and sums their durations by kernel category. Kernels of one
 stream run back to back, so the sum over a stream is its busy time; summed over streams it can exceed
 the wall time when streams overlap (collectives beside compute). Categories are matched on the kernel
-name, case-insensitively, first rule that matches wins (see CATEGORIES).
+name, case-insensitively, first rule that matches wins (see CATEGORIES). The last line says how much of
+the profiled span no kernel covered (host dispatch between steps, launch latency) and its longest gaps.
 """
 
 from __future__ import annotations
@@ -81,6 +82,26 @@ def breakdown(events: list[dict]) -> tuple[dict[str, float], list[tuple[str, flo
     return dict(by_cat), kernels
 
 
+def idle_time(events: list[dict], min_gap_us: float = 100.0) -> tuple[float, float, list[float]]:
+    """(wall ms from the first kernel's start to the last one's end, ms with no kernel running on any
+    GPU stream, [gaps of at least min_gap_us, in ms, longest first]).
+
+    The idle time is what no kernel covers: host dispatch between steps, waits on the host, launch
+    latency. Events without a start time ("ts") are left out.
+    """
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if "ts" in e)
+    if not spans:
+        return 0.0, 0.0, []
+    gaps, reach = [], spans[0][1]
+    for start, end in spans[1:]:
+        if start > reach:
+            gaps.append(start - reach)
+        reach = max(reach, end)
+    wall = reach - spans[0][0]
+    long_gaps = sorted((g / 1e3 for g in gaps if g >= min_gap_us), reverse=True)
+    return wall / 1e3, sum(gaps) / 1e3, long_gaps
+
+
 def to_markdown(by_cat, kernels, steps: int, top: int) -> str:
     total = sum(by_cat.values())
     lines = ["| category | ms per step | share |", "|---|---:|---:|"]
@@ -101,8 +122,16 @@ def main():
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    by_cat, kernels = breakdown(load_events(args.folder))
-    harness.emit(to_markdown(by_cat, kernels, args.steps, args.top), args.out)
+    events = load_events(args.folder)
+    by_cat, kernels = breakdown(events)
+    wall, idle, gaps = idle_time(events)
+    text = to_markdown(by_cat, kernels, args.steps, args.top)
+    text += (
+        f"\nGPU timeline: {wall / args.steps:.2f} ms per step from the first kernel to the last, "
+        f"{idle / args.steps:.2f} ms of it with no kernel running; gaps of 0.1 ms or more: "
+        f"{len(gaps)}, longest {', '.join(f'{g:.2f}' for g in gaps[:8]) or '-'} ms\n"
+    )
+    harness.emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -256,6 +256,8 @@ def test_batch_dimensions_and_fold_flushes():
     "axis, rotation, scale_mode, rounding, elem, out",
     [
         (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "mx"),
+        (-2, NO_ROTATION, "even", "nearest_even", "e2m1", "mx"),
+        (-2, NO_ROTATION, "ceil", "nearest_away", "e4m3", "mx"),
         (-2, H16, "even", "nearest_away", "e2m1", "mx"),
         (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "mx"),
         (-2, RANDOM32, "floor", "nearest_even", "e2m1", "mx"),
@@ -264,6 +266,7 @@ def test_batch_dimensions_and_fold_flushes():
         (-2, H16, "even", "nearest_away", "e2m1", "two_pass"),
         (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "via_mx"),
         (-2, H16, "floor", "nearest_even", "e2m1", "via_mx"),
+        (-2, NO_ROTATION, "floor", "nearest_even", "e2m1", "via_mx"),
     ],
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
@@ -289,15 +292,29 @@ def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding
     fq._rotate_quantize.clear_cache()
 
 
-def test_pallas_rotation_by_tiles_still_matches_reference(monkeypatch):
-    """The mx kernel's other rotation spelling (butterflies over reshaped tiles, ROTATE_BY_PARTS off)."""
+def test_pallas_whole_tile_reads_still_match_reference(monkeypatch):
+    """The mx kernel's other spelling: whole tiles, butterflies over reshaped views (parts switched off)."""
     from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 
     monkeypatch.setattr(kernels, "ROTATE_BY_PARTS", False)
+    monkeypatch.setattr(kernels, "COLUMN_PARTS", 0)
     fq._rotate_quantize.clear_cache()
     x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=9))
     for axis in (-1, -2):
-        _check(x, axis=axis, spec=QuantSpec(kind="mx"), rotation=H16, out="mx", impl="pallas", signs=None)
+        for rotation in (H16, NO_ROTATION):
+            _check(x, axis=axis, spec=QuantSpec(kind="mx"), rotation=rotation, out="mx", impl="pallas")
+    fq._rotate_quantize.clear_cache()
+
+
+@pytest.mark.parametrize("parts", [2, 8, 32])
+def test_pallas_unrotated_columns_by_parts_of_any_size(parts, monkeypatch):
+    """COLUMN_PARTS is a speed knob only: every size that divides the block gives the reference bits."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    monkeypatch.setattr(kernels, "COLUMN_PARTS", parts)
+    fq._rotate_quantize.clear_cache()
+    x = jnp.asarray(_hard_inputs(rows=32, cols=256, seed=10))
+    _check(x, axis=-2, spec=QuantSpec(kind="mx", scale_mode="even"), out="mx", impl="pallas")
     fq._rotate_quantize.clear_cache()
 
 

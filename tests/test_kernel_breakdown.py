@@ -50,3 +50,16 @@ def test_breakdown_sums_gpu_kernels_by_category(tmp_path):
     assert ("loop_multiply_fusion", 1.0, 2) in kernels
     table = kb.to_markdown(by_cat, kernels, steps=2, top=3)
     assert "| fp8 gemm | 1.85 | 42.3% |" in table
+
+
+def test_idle_time_is_the_span_no_kernel_covers():
+    events = [  # two streams: 0-10 and 5-12 overlap, then gaps of 3 and 0.05 ms
+        {"ts": 0.0, "dur": 10_000.0},
+        {"ts": 5_000.0, "dur": 7_000.0},
+        {"ts": 15_000.0, "dur": 1_000.0},
+        {"ts": 16_050.0, "dur": 950.0},
+        {"dur": 5.0},  # no start time: left out
+    ]
+    wall, idle, gaps = kb.idle_time(events)
+    assert (wall, idle, gaps) == (17.0, 3.05, [3.0])
+    assert kb.idle_time([]) == (0.0, 0.0, [])

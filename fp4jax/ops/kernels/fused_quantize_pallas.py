@@ -7,7 +7,8 @@ XLA path computes; only the tiling differs.
 - mx: a 2-D grid of (tm, tk) tiles of x; a column-wise tile is transposed in registers, so both layouts
   read x once and write the transposed output directly. A rotated tile is read "by parts" (part k =
   element k of every rotation block, a strided read), so the butterflies are elementwise between parts
-  (fused_quantize.hadamard_parts) and the codes are written back with the same stride.
+  (fused_quantize.hadamard_parts) and the codes are written back with the same stride. An unrotated
+  column-wise tile is read by parts too (COLUMN_PARTS), which makes its transpose a set of small ones.
 - fp8_fold, method "two_pass" (kept for comparison; FOLD_METHOD picks via_mx): one program per strip
   of whole output rows (a contract-B row spans the whole contraction axis). Pass 1 walks the strip and
   keeps only each row's top non-zero block exponent; pass 2 walks it backwards (the chunks read last
@@ -48,10 +49,12 @@ class Tile:
     warps: int
 
 
-# (out, column layout) -> Tile
+# (out, column layout) -> Tile; "mx_unrotated" is the column-wise mx kernel without a rotation, which
+# reads its tile by parts of COLUMN_PARTS (its own best tile: 99.5 against 111.1 us at 32768x2048).
 TILES = {
     ("mx", False): Tile(32, 256, 4),
     ("mx", True): Tile(16, 256, 8),
+    ("mx_unrotated", True): Tile(32, 128, 8),
     ("fp8_fold", False): Tile(8, 512, 4),
     ("fp8_fold", True): Tile(16, 256, 8),
     ("fold_from_mx", False): Tile(32, 256, 8),
@@ -94,9 +97,19 @@ def _params(tile: Tile):
 # instead of butterflies over reshaped tiles. The same bits either way; a switch for timing both.
 ROTATE_BY_PARTS = True
 
+# Parts per run for an unrotated column-wise tile (0: read the tile whole and transpose it). Reading
+# by parts transposes (runs, rows) slices instead of the whole (cols, rows) tile; the quantization is
+# elementwise once the block maxima are known, so the bits are the same. On an H200 (2026-12-01,
+# `benchmarks/bench_quantize.py --shapes 32768x2048 --column-parts 0,8,16,32`, best tile of each):
+# mx 168.0 / 99.5 / 136.0 / 176.3 us, and the fold through it 395.6 / 190.7 / 212.0 / 273.0 us.
+COLUMN_PARTS = 8
 
-def _by_parts(spec, rotation) -> bool:
-    return ROTATE_BY_PARTS and rotation.kind != "none" and spec.block_size % rotation.size == 0
+
+def _parts(spec, rotation, column: bool) -> int:
+    """Elements per run when the mx kernel reads the tile by parts, or 0 when it reads it whole."""
+    if rotation.kind != "none":
+        return rotation.size if ROTATE_BY_PARTS and spec.block_size % rotation.size == 0 else 0
+    return COLUMN_PARTS if column and COLUMN_PARTS and spec.block_size % COLUMN_PARTS == 0 else 0
 
 
 def _load_part(x_ref, column: bool, k: int, size: int):
@@ -107,18 +120,19 @@ def _load_part(x_ref, column: bool, k: int, size: int):
     return x_ref[:, pl.ds(k, runs, stride=size)].astype(jnp.float32)
 
 
-def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt):
-    """The rotated tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
+def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size):
+    """The (rotated) tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
 
-    Part k (fused_quantize.hadamard_parts) holds element k of every rotation block, read from x with
-    stride rotation.size; an MX block is `per_block` consecutive rotation blocks. Codes go back out with
-    the same stride (halved for packed E2M1: byte p of a rotation block holds its elements 2p, 2p + 1).
+    Part k holds element k of every run of `size` (a rotation block, fused_quantize.hadamard_parts),
+    read from x with stride `size`; an MX block is `per_block` consecutive runs. Codes go back out with
+    the same stride (halved for packed E2M1: byte p of a run holds its elements 2p, 2p + 1).
     """
-    size = rotation.size
     parts = [_load_part(x_ref, column, k, size) for k in range(size)]
     rows, runs = parts[0].shape
-    signs = None if s_ref is None else [s_ref[:, pl.ds(k, runs, stride=size)] for k in range(size)]
-    bits = [fq.f32_bits(p) for p in fq.hadamard_parts(parts, signs)]
+    if rotation.kind != "none":
+        signs = None if s_ref is None else [s_ref[:, pl.ds(k, runs, stride=size)] for k in range(size)]
+        parts = fq.hadamard_parts(parts, signs)
+    bits = [fq.f32_bits(p) for p in parts]
     per_block = spec.block_size // size
     amax = functools.reduce(jnp.maximum, [b & fq._ABS_MASK for b in bits])
     amax = jnp.max(amax.reshape(rows, runs // per_block, per_block), axis=-1)
@@ -145,8 +159,11 @@ def _mx_kernel(x_ref, *refs, column, spec, rotation, has_signs, with_tops):
     data_ref, scale_ref = outs[:2]
     fmt = get_elem_format(spec.elem)
     rows = data_ref.shape[0]
-    if _by_parts(spec, rotation):
-        exponent, finite, nonzero = _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt)
+    size = _parts(spec, rotation, column)
+    if size:
+        exponent, finite, nonzero = _quantize_by_parts(
+            x_ref, s_ref, data_ref, column, spec, rotation, fmt, size
+        )
     else:
         t = _rotate(_load_tile(x_ref, column), rotation, s_ref)
         codes, exponent, finite, nonzero = fq._quantize_tile(t, fmt, spec)
@@ -165,7 +182,8 @@ def _mx_call(x3, column, spec, rotation, sign_row, interpret, with_tops=False):
     batch, r0, c0 = x3.shape
     out_rows, n = (c0, r0) if column else (r0, c0)
     multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
-    tile = TILES["mx", column]
+    unrotated_parts = column and rotation.kind == "none" and _parts(spec, rotation, column)
+    tile = TILES["mx_unrotated" if unrotated_parts else "mx", column]
     tr = _pick(out_rows, tile.rows, 1)  # output-orientation rows per tile
     tn = _pick(n, tile.cols, multiple)  # output-orientation columns (the quantized axis)
     per_byte = 2 if spec.elem == "e2m1" else 1
