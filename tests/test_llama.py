@@ -4,6 +4,8 @@ layout, remat policies and the per-block precision switches. Tiny shapes, fp32 c
 import dataclasses
 import functools
 import math
+import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -191,10 +193,48 @@ def test_scan_matches_unrolled_layers():
 def test_remat_policies_give_same_gradients(tiny_params):
     tokens, params = _tokens(T=8), tiny_params["params"]
     want = _grad(TINY)(params, tokens)
-    got = _grad(dataclasses.replace(TINY, remat="minimal"))(params, tokens)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
+    for remat in ("minimal", "minimal_attention"):
+        got = _grad(dataclasses.replace(TINY, remat=remat))(params, tokens)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
     assert llama.remat_policy("none") is None
-    assert all(callable(llama.remat_policy(name)) for name in ("full", "dots_saveable", "minimal"))
+    assert all(callable(llama.remat_policy(name)) for name in llama.REMAT_OPTIONS if name != "none")
+
+
+def test_minimal_attention_saves_the_cudnn_attention_forward_and_nothing_else():
+    """The policy names jax's cuDNN attention primitive by its name, a private detail: check that this
+    jax still has a forward primitive of that name, and that the policy picks it and only it."""
+    from jax._src import core
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    names = {v.name for v in vars(cudnn_attention).values() if isinstance(v, core.Primitive)}
+    forward = {n for n in names if llama.saves_attention_forward(types.SimpleNamespace(name=n))}
+    assert forward and all("fwd" in n and "fp8" not in n for n in forward), names
+    policy = llama.remat_policy("minimal_attention")
+    for name in sorted(forward):
+        assert policy(types.SimpleNamespace(name=name))
+    for name in ("dot_product_attention_bwd_wrapper", "exp", "add", "reduce_max"):
+        assert not policy(types.SimpleNamespace(name=name))
+
+
+@pytest.mark.skipif(
+    llama.attention_implementation("auto", jnp.bfloat16, 64) != "cudnn", reason="needs cuDNN flash attention"
+)
+def test_minimal_attention_runs_the_attention_forward_once_per_layer():
+    """On cuDNN attention, "minimal" reruns the forward kernel in the backward pass and
+    "minimal_attention" does not; both give the same gradients (the rerun is deterministic)."""
+    cfg = llama_config("tiny", vocab_size=256, dtype="bfloat16", head_dim=64, attention="cudnn")
+    tokens = _tokens(T=128)
+    params = _init(dataclasses.replace(cfg, remat="none"), tokens=tokens)["params"]
+    forwards, grads = {}, {}
+    for remat in ("minimal", "minimal_attention"):
+        grad = _grad(dataclasses.replace(cfg, remat=remat))
+        hlo = grad.lower(params, tokens).compile().as_text()
+        forwards[remat] = len(re.findall(r'custom_call_target="__cudnn\$fmha[A-Za-z]*"', hlo)) - len(
+            re.findall(r'custom_call_target="__cudnn\$fmha[A-Za-z]*Backward[A-Za-z]*"', hlo)
+        )
+        grads[remat] = grad(params, tokens)
+    assert forwards["minimal"] == 2 * forwards["minimal_attention"] > 0, forwards
+    jax.tree.map(np.testing.assert_array_equal, grads["minimal_attention"], grads["minimal"])
 
 
 def test_bf16_blocks_use_bf16_recipe(tiny_params):

@@ -55,7 +55,11 @@ ACT_BTV = ("batch", "length", "vocab")
 # Outputs of the quantized projections, tagged so the remat policies can keep them even when the
 # quantized GEMM is a custom_vjp that jax's dot policies do not recognise as a dot.
 PROJ_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
-REMAT_OPTIONS = ("none", "full", "dots_saveable", "minimal")
+REMAT_OPTIONS = ("none", "full", "dots_saveable", "minimal", "minimal_attention")
+# cuDNN flash attention's forward kernel (jax.nn.dot_product_attention, implementation="cudnn") is a
+# primitive of this name, or this name + "_wrapper" (the one jax 0.10-0.11 binds). Its outputs are the
+# attention output and the softmax statistics the backward kernel reads: saving them spares the rerun.
+ATTENTION_FORWARD_PRIMITIVE = "dot_product_attention_fwd"
 ATTENTION_OPTIONS = ("auto", "xla", "cudnn")
 
 
@@ -345,18 +349,28 @@ def remat_policy(name: str):
 
     "full": save nothing inside a block (only the residual stream between blocks);
     "dots_saveable": save every matmul output, attention logits included (memory-hungry at long T);
-    "minimal" (MaxText's name): save the projections' outputs, recompute attention and elementwise ops.
+    "minimal" (MaxText's name): save the projections' outputs, recompute attention and elementwise ops;
+    "minimal_attention": "minimal" plus cuDNN flash attention's forward outputs (the attention output and
+    its softmax statistics, T x (N H + N) values per sequence and layer), so the backward pass does not
+    rerun the attention forward; with XLA's attention (CPU, ROCm) it is "minimal".
     The named projection outputs are added to the dot policies so they hold for a custom_vjp quantized dot.
     """
     cp = jax.checkpoint_policies
     names = cp.save_only_these_names(*PROJ_NAMES)
+    minimal = cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, names)
     policies = {
         "none": None,
         "full": cp.nothing_saveable,
         "dots_saveable": cp.save_from_both_policies(cp.dots_saveable, names),
-        "minimal": cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, names),
+        "minimal": minimal,
+        "minimal_attention": cp.save_from_both_policies(minimal, saves_attention_forward),
     }
     return policies[name]
+
+
+def saves_attention_forward(prim, *_, **__) -> bool:
+    """Checkpoint policy: save the outputs of cuDNN flash attention's forward kernel (and nothing else)."""
+    return prim.name.startswith(ATTENTION_FORWARD_PRIMITIVE)
 
 
 def block_segments(config: LlamaConfig) -> tuple[tuple[int, int, bool], ...]:
