@@ -50,7 +50,7 @@ class Tile:
 
 
 # (out, column layout) -> Tile; "mx_unrotated" is the column-wise mx kernel without a rotation, which
-# reads its tile by parts of COLUMN_PARTS (its own best tile: 99.5 against 111.1 us at 32768x2048).
+# reads its tile by parts of COLUMN_PARTS and has a best tile of its own (the --column-parts sweep).
 TILES = {
     ("mx", False): Tile(32, 256, 4),
     ("mx", True): Tile(16, 256, 8),
@@ -99,9 +99,10 @@ ROTATE_BY_PARTS = True
 
 # Parts per run for an unrotated column-wise tile (0: read the tile whole and transpose it). Reading
 # by parts transposes (runs, rows) slices instead of the whole (cols, rows) tile; the quantization is
-# elementwise once the block maxima are known, so the bits are the same. On an H200 (2026-12-01,
-# `benchmarks/bench_quantize.py --shapes 32768x2048 --column-parts 0,8,16,32`, best tile of each):
-# mx 168.0 / 99.5 / 136.0 / 176.3 us, and the fold through it 395.6 / 190.7 / 212.0 / 273.0 us.
+# elementwise once the block maxima are known, so the bits are the same. 8 was the fastest of 0/8/16/32
+# in a sweep (`benchmarks/bench_quantize.py --shapes 32768x2048 --column-parts 0,8,16,32`). On an H200
+# (2026-12-01, `--impls pallas`, same shape) the column mx kernel takes 102.2 us by parts against 169.3
+# read whole, the fold through it 189.5 against 399.4 (docs/performance.md).
 COLUMN_PARTS = 8
 
 
