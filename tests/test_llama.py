@@ -193,11 +193,31 @@ def test_scan_matches_unrolled_layers():
 def test_remat_policies_give_same_gradients(tiny_params):
     tokens, params = _tokens(T=8), tiny_params["params"]
     want = _grad(TINY)(params, tokens)
-    for remat in ("minimal", "minimal_attention"):
+    for remat in llama.REMAT_OPTIONS[1:]:  # against "none"
         got = _grad(dataclasses.replace(TINY, remat=remat))(params, tokens)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got, want)
     assert llama.remat_policy("none") is None
     assert all(callable(llama.remat_policy(name)) for name in llama.REMAT_OPTIONS if name != "none")
+
+
+def _checkpoint_names(jaxpr) -> set[str]:
+    """Every checkpoint_name in a jaxpr, its sub-jaxprs (scan, remat, custom_vjp) included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _checkpoint_names(inner)
+    return found
+
+
+def test_every_name_a_remat_policy_saves_is_tagged_in_the_model(tiny_params):
+    cfg = dataclasses.replace(TINY, remat="minimal_attention")
+    jaxpr = jax.make_jaxpr(Llama(cfg).apply)({"params": tiny_params["params"]}, _tokens())
+    assert _checkpoint_names(jaxpr.jaxpr) == set(llama.PROJ_NAMES)
 
 
 def test_minimal_attention_saves_the_cudnn_attention_forward_and_nothing_else():
