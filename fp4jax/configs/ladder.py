@@ -56,9 +56,9 @@ PROXY_RECIPES = (
 PROXY_STEPS = 1000
 # Single-GPU set-ups save the projections' outputs and cuDNN attention's forward outputs instead of
 # recomputing every block: on one H200 the 1B step ran 14 % faster in bf16 and 10 % in FP8 with "minimal"
-# than with "full", and "minimal_attention" another 2.4 % (seq 2048, side by side) and 8.1 % (seq 8192, across two calls) faster in bf16
-# for 2.2 GB more memory (docs/performance.md). The 8B set-up keeps the model's default ("full") for its
-# sequences of 8192.
+# than with "full", and "minimal_attention" another 2.4 % in bf16 (seq 2048, side by side; 8.1 % at seq
+# 8192, across two calls) for 2.2 GB more memory (docs/performance.md). The 8B set-up keeps the model's
+# default ("full") for its sequences of 8192.
 SMALL_MODEL_REMAT = "minimal_attention"
 PROXY_EVALS = 50  # evaluations per run: one every 2 %
 
