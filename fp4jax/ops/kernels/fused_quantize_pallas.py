@@ -183,7 +183,7 @@ def _mx_call(x3, column, spec, rotation, sign_row, interpret, with_tops=False):
     batch, r0, c0 = x3.shape
     out_rows, n = (c0, r0) if column else (r0, c0)
     multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
-    unrotated_parts = column and rotation.kind == "none" and _parts(spec, rotation, column)
+    unrotated_parts = rotation.kind == "none" and _parts(spec, rotation, column)  # column-wise only
     tile = TILES["mx_unrotated" if unrotated_parts else "mx", column]
     tr = _pick(out_rows, tile.rows, 1)  # output-orientation rows per tile
     tn = _pick(n, tile.cols, multiple)  # output-orientation columns (the quantized axis)
