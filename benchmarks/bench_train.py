@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # benchmarks/harness.py (this folder is on sys.path when run as a script)
 
 from fp4jax import train as trainer  # noqa: E402
+from fp4jax.training import setup  # noqa: E402
 
 
 def load_config(path: str, overrides: list[str]):
@@ -85,6 +86,7 @@ def main():
     parser.add_argument("--out", default="")
     args, overrides = parser.parse_known_args()
     config = load_config(args.config, overrides)
+    print(f"xla options: {setup.apply_xla_options(config)}", flush=True)  # as the trainer's command line
     rows = []
     for recipe in args.recipes.split(","):
         rows.append(bench_recipe(config, recipe, args.steps, args.skip))

@@ -143,6 +143,7 @@ def main(argv=None) -> None:
     args, overrides = parser.parse_known_args(argv)
     dump_dir = request_dump()
     config = bench_train.load_config(args.config, overrides)
+    print(f"xla options: {setup.apply_xla_options(config)}", flush=True)  # as the trainer's command line
     rows = []
     for recipe in args.recipes.split(","):
         rows.append(measure(config, recipe, dump_dir))

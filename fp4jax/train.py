@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from fp4jax.data import DataError
 from fp4jax.training.errors import UserError
-from fp4jax.training.setup import initialize_distributed
+from fp4jax.training.setup import apply_xla_options, initialize_distributed
 from fp4jax.training.trainer import train
 
 __all__ = ["main", "parse_flags", "train"]
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     debug = "--debug" in argv
     try:
         config, workdir, debug = parse_flags(argv)
+        apply_xla_options(config)
         initialize_distributed()
         summary = train(config, workdir)
     except (UserError, DataError) as exc:

@@ -1,6 +1,9 @@
 """Back-end dispatch: the table for every (platform, architecture) pair with mocked devices, the override,
 the start-up log, and the native path's shape rule with its fallback (on CPU, equal to emulate)."""
 
+import os
+import subprocess
+import sys
 import types
 
 import jax
@@ -14,6 +17,18 @@ from fp4jax.ops import quantize_mx as _quantize_mx
 from fp4jax.ops.kernels import backends
 
 E4M3, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
+
+
+@pytest.fixture(autouse=True)
+def _fresh_device_caches():
+    """Every test sees the device it mocks: the per-process caches of what the device is are emptied
+    around it (a mocked ROCm device's FNUZ fold type would otherwise outlive its test)."""
+    caches = (backends._auto_choice, backends._device_fold_dtype, backends.epilogue_scaling_is_exact)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
 
 
 def _device(platform, kind, capability=None):
@@ -259,3 +274,95 @@ def test_fp8_accumulation_is_promoted_to_float32_on_this_gpu():
     exact = 448.0 * 448.0 + (k - 1) * 0.0625
     assert np.all(got - 448.0 * 448.0 > 0.5 * (k - 1) * 0.0625), (got.min(), exact)
     assert np.all(got <= exact)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 x FP8 GEMMs that write bfloat16 (the per-tensor scale in cuBLASLt's epilogue)
+
+ON_NVIDIA = backends.describe_device().vendor == "nvidia"
+BF16 = jnp.bfloat16
+matmul_to = jax.jit(backends.matmul, static_argnames=("backend", "precision", "out_dtype"))
+
+
+def _random_fp8(shape, dtype, seed, scale):
+    values = np.random.default_rng(seed).normal(size=shape) * 6
+    return backends.FP8Array(jnp.asarray(values, dtype), jnp.float32(scale))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the probe must fail: a CPU test")
+def test_fp8_bfloat16_output_keeps_the_contract_where_the_epilogue_probe_fails(monkeypatch):
+    """Mocked as an NVIDIA GPU on CPU, the epilogue probe cannot pass (this platform rejects the FP8 dot
+    algorithm), so a bfloat16-wanted FP8 x FP8 GEMM stays the precise float32 dot times the combined
+    scale, in float32."""
+    a, c = _random_fp8((1, 8, 64), E4M3, 1, 3.7), _random_fp8((1, 16, 64), jnp.float8_e5m2, 2, 0.61)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *args: [_device("cuda", "NVIDIA H200", "9.0")])
+
+    def bf16_wanted(x, y):
+        return backends.matmul(x, y, backend="emulate", out_dtype=BF16)
+
+    assert _dot_precisions(bf16_wanted, a, c) == [jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32]
+    assert jax.make_jaxpr(bf16_wanted)(a, c).out_avals[0].dtype == jnp.float32
+    assert not backends.epilogue_scaling_is_exact(jnp.dtype(E4M3), jnp.dtype(E4M3), jnp.dtype(BF16))
+
+
+def test_hlo_check_finds_the_output_type_of_the_fp8_gemm():
+    line = (
+        '%g = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"'
+    )
+    assert backends.writes_fp8_gemm_output(line, BF16)
+    assert not backends.writes_fp8_gemm_output(line, jnp.float32)
+    assert not backends.writes_fp8_gemm_output(line.replace("$f8", ""), BF16)
+
+
+FP8_PAIRS = [(E4M3, E4M3), (jnp.float8_e5m2, E4M3), (E4M3, jnp.float8_e5m2)]
+TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"
+needs_triton_off = pytest.mark.skipif(
+    not ON_NVIDIA or TRITON_GEMM_OFF not in os.environ.get("XLA_FLAGS", ""),
+    reason=f"needs an NVIDIA GPU and XLA_FLAGS={TRITON_GEMM_OFF} (test_fp8_epilogue_tests_without_triton)",
+)
+
+
+@needs_triton_off
+@pytest.mark.parametrize("a_dtype, c_dtype", FP8_PAIRS, ids=lambda d: jnp.dtype(d).name)
+def test_fp8_gemm_writes_bfloat16_with_the_float32_scale_in_its_epilogue(a_dtype, c_dtype):
+    """Without Triton GEMM fusions (which otherwise take the dequantized operands first), a bfloat16-wanted
+    FP8 x FP8 GEMM is one cuBLASLt FP8 GEMM writing bfloat16, bit for bit the precise float32 GEMM times
+    the combined float32 scale, rounded once (scales chosen so that a bfloat16-rounded scale or a second
+    rounding would show)."""
+    assert backends.epilogue_scaling_is_exact(jnp.dtype(a_dtype), jnp.dtype(c_dtype), jnp.dtype(BF16))
+    a, c = _random_fp8((1, 2048, 4096), a_dtype, 3, 3.7), _random_fp8((1, 1024, 4096), c_dtype, 4, 0.0123)
+    got = matmul_to(a, c, backend="emulate", out_dtype=BF16)
+    assert got.dtype == BF16
+    want = matmul_to(a, c, backend="emulate").astype(BF16)  # the float32 contract, rounded once
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    text = matmul_to.lower(a, c, backend="emulate", out_dtype=BF16).compile().as_text()
+    assert backends.writes_fp8_gemm_output(text, BF16)
+
+
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
+def test_fp8_gemm_with_bfloat16_output_accumulates_precisely():
+    """The swamping probe of test_fp8_accumulation_is_promoted_to_float32_on_this_gpu, sized for a
+    bfloat16 result, through whichever spelling this process gets: 448 * 448 first, then 65535 products
+    of 2^-4 (4096 in all). Without promotion they are all lost (200704); with it at most the first few MMA
+    steps' are, and the nearest bfloat16 to what survives is 204800 (200 * 1024)."""
+    k = 65536
+    a = np.full((1, 16, k), 0.25, np.float32)
+    a[:, :, 0] = 448.0
+    fa = backends.FP8Array(jnp.asarray(a, E4M3), jnp.float32(1.0))
+    got = matmul_to(fa, fa, backend="emulate", out_dtype=BF16).astype(BF16)  # float32 where no epilogue
+    np.testing.assert_array_equal(np.asarray(got, np.float32), 204800.0)
+
+
+@pytest.mark.skipif(
+    not ON_NVIDIA or TRITON_GEMM_OFF in os.environ.get("XLA_FLAGS", ""), reason="needs an NVIDIA GPU"
+)
+def test_fp8_epilogue_tests_without_triton():
+    """Runs the two tests above in a process with Triton GEMM fusions off, where the epilogue spelling
+    applies (XLA flags are fixed per process)."""
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {TRITON_GEMM_OFF}".strip()}
+    selected = "writes_bfloat16_with or bfloat16_output_accumulates"
+    options = ["-o", "addopts=", "-q", "-p", "no:cacheprovider", "-k", selected]  # one process, a summary
+    cmd = [sys.executable, "-m", "pytest", *options, __file__]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

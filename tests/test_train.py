@@ -210,3 +210,33 @@ def test_diagnostics_probe_and_profiler_switch(tmp_path, token_cache, monkeypatc
     assert all(r["diag/rows"] == 8 and r["diag_time_s"] > 0 for r in records if "diag/rows" in r)
     files = [f for _, _, names in os.walk(tmp_path / "profile") for f in names]
     assert sum(f.endswith(".xplane.pb") for f in files) == 1 and "perfetto_trace.json.gz" in files, files
+
+
+# ----------------------------------------------------------------------------------------------------
+# XLA options the command line sets before jax starts
+
+
+def test_xla_options_turn_triton_gemms_off_before_jax_starts(monkeypatch):
+    config = tiny_config("unused")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    monkeypatch.setattr(setup, "_backends_started", lambda: False)
+    assert setup.apply_xla_options(config) == "XLA_FLAGS += --xla_gpu_enable_triton_gemm=false"
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false"
+    config.xla_gpu_triton_gemm = True
+    monkeypatch.setenv("XLA_FLAGS", "")
+    setup.apply_xla_options(config)
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+
+
+def test_xla_options_leave_the_users_flag_and_a_started_jax_alone(monkeypatch):
+    config = tiny_config("unused")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    monkeypatch.setattr(setup, "_backends_started", lambda: False)
+    assert "already sets" in setup.apply_xla_options(config)
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(setup, "_backends_started", lambda: True)
+    assert "not applied" in setup.apply_xla_options(config)
+    assert os.environ["XLA_FLAGS"] == ""
+    monkeypatch.undo()
+    assert setup._backends_started()  # this test process has started jax: the real check says so

@@ -127,4 +127,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.divergence = ml_collections.ConfigDict({"spike_nats": 0.0, "window": 20})
     c.diagnostics = ml_collections.ConfigDict({"every": 0})
     c.profile = ml_collections.ConfigDict({"start_step": 0, "num_steps": 0})
+    c.xla_gpu_triton_gemm = False  # XLA's Triton GEMM fusions; off keeps the FP8 GEMMs on cuBLASLt (setup.py)
     return c

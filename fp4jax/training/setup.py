@@ -60,6 +60,36 @@ def initialize_distributed():
         )
 
 
+# XLA's Triton GEMM fusions take a dot together with the elementwise ops producing its operands. The
+# per-tensor FP8 GEMMs write bfloat16 with their scale in cuBLASLt's epilogue only through a dequantized-
+# operand spelling (backends.fp8_scaled_matmul) that such a fusion takes away from cuBLASLt's FP8 GEMM; the
+# library then keeps their float32 output (same numbers, slower). Off, the fp8 recipes' 1B step ran 6.7 %
+# faster on an H200, bf16 and mxfp4_full_h16 unchanged (docs/performance.md). Set before jax starts its
+# backends: XLA reads XLA_FLAGS once.
+TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
+
+
+def apply_xla_options(config: ml_collections.ConfigDict) -> str:
+    """Adds what `config.xla_gpu_triton_gemm` asks for to XLA_FLAGS, unless XLA_FLAGS already says it (the
+    user's setting wins). Returns what it did, in words. Only takes effect in a process whose jax backends
+    have not started yet (the command line's case); later it changes nothing and says so."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if TRITON_GEMM_FLAG in flags:
+        return f"XLA_FLAGS already sets {TRITON_GEMM_FLAG}"
+    wanted = f"{TRITON_GEMM_FLAG}={str(bool(config.xla_gpu_triton_gemm)).lower()}"
+    if _backends_started():
+        return f"jax already started: {wanted} not applied (set it in XLA_FLAGS before jax starts)"
+    os.environ["XLA_FLAGS"] = f"{flags} {wanted}".strip()
+    return f"XLA_FLAGS += {wanted}"
+
+
+def _backends_started() -> bool:
+    from jax._src import xla_bridge  # the only place jax says whether its backends exist
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else True
+
+
 def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy with the derived defaults filled in (MLPerf LR and warmup by global batch), values checked."""
     config = ml_collections.ConfigDict(config.to_dict())

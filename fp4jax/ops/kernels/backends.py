@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp4jax.ops.kernels import fold
 from fp4jax.ops.quantize import FP8Array, MXArray
@@ -193,10 +194,88 @@ def fp8_dot_precision(*operands):
     turns on fast accumulation for every FP8 GEMM of DEFAULT precision. Elsewhere: None, the plain dot
     (the CPU back end rejects the preset; it accumulates in float32 anyway; ROCm is left as it was).
     """
-    platform = _platform_of(operands)
-    if platform in ("gpu", "cuda") and describe_device().vendor == "nvidia":
+    if _on_nvidia_gpu(operands):
         return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
     return None
+
+
+def _on_nvidia_gpu(operands) -> bool:
+    return _platform_of(operands) in ("gpu", "cuda") and describe_device().vendor == "nvidia"
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 x FP8 GEMMs that write bfloat16, the per-tensor scale in cuBLASLt's epilogue
+
+
+def _scaled_after(a8, c8, scale, out_dtype, precision):
+    """The contract: the float32 accumulation times the combined scale, rounded once to out_dtype."""
+    out = jax.lax.dot_general(a8, c8, _BMK_BNK, precision=precision, preferred_element_type=jnp.float32)
+    return (out * scale).astype(out_dtype)
+
+
+def _scaled_in_epilogue(a8, c8, scale, out_dtype):
+    """The same product, spelled so that XLA's GEMM rewriter makes it one cuBLASLt FP8 GEMM that writes
+    out_dtype: dot(convert(a8) * broadcast(scale), convert(c8)) is its "dequantized FP8 operand" pattern,
+    which it turns into the FP8 GEMM with `scale` as A's scale factor, applied to the float32 accumulator
+    before the one rounding. The pattern wants the scale in the dequantized type, but XLA's excess
+    precision (on by default) drops the scalar's float32 -> bfloat16 -> float32 round trip, so the epilogue
+    multiplies by the float32 scale. HIGHEST keeps cuBLASLt's precise accumulation (DEFAULT would turn
+    fast accumulation on). Used only where `epilogue_scaling_is_exact` has checked all of that.
+    """
+    wide = jnp.dtype(out_dtype)
+    a = a8.astype(wide) * scale.astype(wide)
+    highest = jax.lax.Precision.HIGHEST
+    return jax.lax.dot_general(a, c8.astype(wide), _BMK_BNK, precision=highest, preferred_element_type=wide)
+
+
+@functools.cache
+def epilogue_scaling_is_exact(a_dtype, c_dtype, out_dtype) -> bool:
+    """Run-time check, once per process and dtypes: does `_scaled_in_epilogue` compile to a cuBLASLt FP8 GEMM
+    writing out_dtype and give `_scaled_after`'s bits on the default device?
+
+    The probe's scale has a float32 significand that bfloat16 cannot hold, and its sums are such that a
+    second rounding shows in about a quarter of them, so a scale rounded to out_dtype or a result rounded
+    twice fails it. Where it fails (another XLA, --xla_allow_excess_precision=false, a GPU without FP8
+    GEMMs) the GEMM keeps the float32 output: the same numbers, slower. It may run while a caller is being
+    traced, so it evaluates eagerly. (Precise accumulation is the GPU lane's swamping test.)
+    """
+    rng = np.random.default_rng(0)
+    try:
+        with jax.ensure_compile_time_eval():
+            a = jnp.asarray(rng.normal(size=(1, 256, 512)) * 4, a_dtype)
+            c = jnp.asarray(rng.normal(size=(1, 128, 512)) * 4, c_dtype)
+            scale = jnp.float32(1.0) / (jnp.float32(3.7) * jnp.float32(0.61))
+            fast = jax.jit(_scaled_in_epilogue, static_argnums=3).lower(a, c, scale, out_dtype).compile()
+            want = jax.jit(_scaled_after, static_argnums=(3, 4))(
+                a, c, scale, out_dtype, jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
+            )
+            same = bool(np.array_equal(np.asarray(fast(a, c, scale)), np.asarray(want)))
+    except Exception:  # noqa: BLE001 - a platform that cannot compile the probe cannot use the spelling
+        return False
+    return same and writes_fp8_gemm_output(fast.as_text(), out_dtype)
+
+
+_HLO_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def writes_fp8_gemm_output(hlo_text: str, out_dtype) -> bool:
+    """Whether compiled HLO holds a cuBLASLt FP8 GEMM whose result is out_dtype."""
+    hlo_type = _HLO_TYPES[jnp.dtype(out_dtype).name]
+    pattern = r"\(" + hlo_type + r"\[[^\n]*__cublas\$lt\$matmul\$f8"
+    return re.search(pattern, hlo_text) is not None
+
+
+def fp8_scaled_matmul(a8, c8, scale, out_dtype, precision):
+    """sum_k a8 c8 * scale for two FP8 operands (B, M, K), (B, N, K), rounded once to out_dtype.
+
+    On NVIDIA GPUs a bfloat16 result comes straight from the GEMM (half the bytes written and read
+    again, and no separate scaling pass) where `epilogue_scaling_is_exact`; otherwise the GEMM writes
+    float32 and the scale and rounding follow it.
+    """
+    narrow = jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16) and _on_nvidia_gpu((a8, c8))
+    if narrow and epilogue_scaling_is_exact(jnp.dtype(a8.dtype), jnp.dtype(c8.dtype), jnp.dtype(out_dtype)):
+        return _scaled_in_epilogue(a8, c8, scale, out_dtype)
+    return _scaled_after(a8, c8, scale, jnp.float32, precision)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -213,15 +292,15 @@ def _emulate_input(operand, keep_fp8: bool):
     return operand, None
 
 
-def _emulate(a, c, precision) -> jax.Array:
+def _emulate(a, c, precision, out_dtype=jnp.float32) -> jax.Array:
     both_fp8 = isinstance(a, FP8Array) and isinstance(c, FP8Array)
     a_values, a_scale = _emulate_input(a, both_fp8)
     c_values, c_scale = _emulate_input(c, both_fp8)
     if both_fp8:
         precision = fp8_dot_precision(a_values, c_values) or precision
-    else:
-        dtype = jnp.promote_types(a_values.dtype, c_values.dtype)
-        a_values, c_values = a_values.astype(dtype), c_values.astype(dtype)
+        return fp8_scaled_matmul(a_values, c_values, 1.0 / (a_scale * c_scale), out_dtype, precision)
+    dtype = jnp.promote_types(a_values.dtype, c_values.dtype)
+    a_values, c_values = a_values.astype(dtype), c_values.astype(dtype)
     out = jax.lax.dot_general(
         a_values,
         c_values,
@@ -382,4 +461,4 @@ def matmul(a, c, *, backend: str, precision=None, out_dtype=jnp.float32) -> jax.
             f"a folded operand runs on the fp8 back end only (backend {backend!r}, operands "
             f"{type(a).__name__} x {type(c).__name__}): quantize to MX for the others"
         )
-    return _emulate(a, c, precision)
+    return _emulate(a, c, precision, out_dtype)
