@@ -19,6 +19,10 @@ Every FP8 x FP8 dot_general emitted here (emulate's FP8Array x FP8Array, the fp8
 asks for precise float32 accumulation on NVIDIA GPUs (`fp8_dot_precision`): with no algorithm and DEFAULT
 precision, XLA runs FP8 GEMMs with cuBLASLt's fast accumulation (no promotion of the tensor cores' partial
 sums to float32) and its Triton FP8 dots likewise. See docs/numerics.md.
+
+A per-tensor FP8 x FP8 GEMM whose caller wants bfloat16 writes it straight from cuBLASLt on NVIDIA GPUs,
+its scale applied in the GEMM's float32 epilogue, where a run-time probe finds that spelling exact
+(`fp8_scaled_matmul`); elsewhere it writes float32 and the scale follows.
 """
 
 from __future__ import annotations
@@ -235,9 +239,10 @@ def epilogue_scaling_is_exact(a_dtype, c_dtype, out_dtype) -> bool:
 
     The probe's scale has a float32 significand that bfloat16 cannot hold, and its sums are such that a
     second rounding shows in about a quarter of them, so a scale rounded to out_dtype or a result rounded
-    twice fails it. Where it fails (another XLA, --xla_allow_excess_precision=false, a GPU without FP8
-    GEMMs) the GEMM keeps the float32 output: the same numbers, slower. It may run while a caller is being
-    traced, so it evaluates eagerly. (Precise accumulation is the GPU lane's swamping test.)
+    twice fails it. Where it fails (XLA's Triton GEMM fusions on, its default: one takes the dot with its
+    dequantizing producers; presumably --xla_allow_excess_precision=false; a GPU without FP8 GEMMs) the
+    GEMM keeps the float32 output: the same numbers, slower. It may run while a caller is being traced,
+    so it evaluates eagerly. (Precise accumulation is the GPU lane's swamping test.)
     """
     rng = np.random.default_rng(0)
     try:
