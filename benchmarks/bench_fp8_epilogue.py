@@ -38,9 +38,9 @@ def _dot(a, c, out, precision):
 
 
 SPELLINGS = {
-    "f32 GEMM * s, then bf16 (the contract; the float32 path)": lambda a, c, s: (
-        _dot(a, c, F32, PRESET) * s
-    ).astype(BF16),
+    "f32 GEMM * s, then bf16 (the contract; the float32 path)": lambda a, c, s: backends._scaled_after(
+        a, c, s, jnp.dtype(BF16), PRESET
+    ),
     "f32 GEMM, no scale": lambda a, c, s: _dot(a, c, F32, PRESET),
     "bf16 GEMM, no scale (the ceiling)": lambda a, c, s: _dot(a, c, BF16, PRESET),
     "bf16 GEMM, then * s (rounds twice)": lambda a, c, s: (_dot(a, c, BF16, PRESET).astype(F32) * s).astype(

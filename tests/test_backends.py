@@ -17,6 +17,7 @@ from fp4jax.ops import quantize_mx as _quantize_mx
 from fp4jax.ops.kernels import backends
 
 E4M3, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
+ON_NVIDIA = backends.describe_device().vendor == "nvidia"
 
 
 @pytest.fixture(autouse=True)
@@ -142,7 +143,7 @@ def test_native_without_scaled_dot_is_refused(monkeypatch):
 
 
 quantize_mx = jax.jit(_quantize_mx, static_argnames=("block_size", "elem", "scale_mode"))
-matmul_jit = jax.jit(backends.matmul, static_argnames=("backend", "precision"))
+matmul_jit = jax.jit(backends.matmul, static_argnames=("backend", "precision", "out_dtype"))
 
 
 def _mx(shape, seed=0, block=32, elem="e2m1"):
@@ -255,7 +256,7 @@ def test_concrete_operands_decide_the_platform(monkeypatch):
     assert backends.fp8_dot_precision(x, x) is None
 
 
-@pytest.mark.skipif(backends.describe_device().vendor != "nvidia", reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
 def test_fp8_accumulation_is_promoted_to_float32_on_this_gpu():
     """Swamping probe: one product of 448 * 448 (~2^17.6) first, then 4095 products of 2^-4. A tensor-core
     accumulator of 13-14 fraction bits near 2^17.6 has a unit in the last place of 8-16, so without
@@ -279,9 +280,7 @@ def test_fp8_accumulation_is_promoted_to_float32_on_this_gpu():
 # ----------------------------------------------------------------------------------------------------
 # FP8 x FP8 GEMMs that write bfloat16 (the per-tensor scale in cuBLASLt's epilogue)
 
-ON_NVIDIA = backends.describe_device().vendor == "nvidia"
 BF16 = jnp.bfloat16
-matmul_to = jax.jit(backends.matmul, static_argnames=("backend", "precision", "out_dtype"))
 
 
 def _random_fp8(shape, dtype, seed, scale):
@@ -332,11 +331,11 @@ def test_fp8_gemm_writes_bfloat16_with_the_float32_scale_in_its_epilogue(a_dtype
     rounding would show)."""
     assert backends.epilogue_scaling_is_exact(jnp.dtype(a_dtype), jnp.dtype(c_dtype), jnp.dtype(BF16))
     a, c = _random_fp8((1, 2048, 4096), a_dtype, 3, 3.7), _random_fp8((1, 1024, 4096), c_dtype, 4, 0.0123)
-    got = matmul_to(a, c, backend="emulate", out_dtype=BF16)
+    got = matmul_jit(a, c, backend="emulate", out_dtype=BF16)
     assert got.dtype == BF16
-    want = matmul_to(a, c, backend="emulate").astype(BF16)  # the float32 contract, rounded once
+    want = matmul_jit(a, c, backend="emulate").astype(BF16)  # the float32 contract, rounded once
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    text = matmul_to.lower(a, c, backend="emulate", out_dtype=BF16).compile().as_text()
+    text = matmul_jit.lower(a, c, backend="emulate", out_dtype=BF16).compile().as_text()
     assert backends.writes_fp8_gemm_output(text, BF16)
 
 
@@ -350,7 +349,7 @@ def test_fp8_gemm_with_bfloat16_output_accumulates_precisely():
     a = np.full((1, 16, k), 0.25, np.float32)
     a[:, :, 0] = 448.0
     fa = backends.FP8Array(jnp.asarray(a, E4M3), jnp.float32(1.0))
-    got = matmul_to(fa, fa, backend="emulate", out_dtype=BF16).astype(BF16)  # float32 where no epilogue
+    got = matmul_jit(fa, fa, backend="emulate", out_dtype=BF16).astype(BF16)  # float32 where no epilogue
     np.testing.assert_array_equal(np.asarray(got, np.float32), 204800.0)
 
 
