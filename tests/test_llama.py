@@ -190,6 +190,36 @@ def test_scan_matches_unrolled_layers():
     jax.tree.map(np.testing.assert_array_equal, restacked, scanned)
 
 
+def test_unrolled_init_draws_what_the_scanned_model_draws():
+    """init_variables(scan_layers=False) = the scanned init, unstacked: the same values, per-block boxes
+    with the unrolled model's own logical names, and the delayed-FP8 state (absent from bf16 segments)."""
+    cfg = llama_config(
+        "tiny", vocab_size=256, n_layers=3, dtype="float32", bf16_first_blocks=1, bf16_last_blocks=0
+    )
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+    tokens, key = _tokens(), jax.random.key(3)
+    init = jax.jit(
+        lambda k, c: llama.init_variables(Llama(c, "fp8_mlperf"), {"params": k}, tokens), static_argnums=1
+    )
+    scanned, got = init(key, cfg), init(key, unrolled)
+    for collection in ("params", "fp8_meta"):
+        want = llama.unstack_layer_params(scanned[collection], cfg)
+        jax.tree.map(np.testing.assert_array_equal, nn.meta.unbox(got[collection]), want)
+    assert "block_0" not in got["fp8_meta"] and {"block_1", "block_2"} <= set(got["fp8_meta"])
+    own = jax.eval_shape(Llama(unrolled, "fp8_mlperf").init, key, tokens)  # the unrolled model's own boxes
+    names = lambda tree: jax.tree.map(
+        lambda b: b.names, tree, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )  # noqa: E731
+    assert names(got["params"]) == names(own["params"])
+    # and it trains as that model: the unrolled forward of the unstacked init is the scanned forward
+    np.testing.assert_allclose(
+        _apply(unrolled, "fp8_mlperf")(nn.meta.unbox(got), tokens),
+        _apply(cfg, "fp8_mlperf")(nn.meta.unbox(scanned), tokens),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
 def test_remat_policies_give_same_gradients(tiny_params):
     tokens, params = _tokens(T=8), tiny_params["params"]
     want = _grad(TINY)(params, tokens)

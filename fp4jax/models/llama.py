@@ -25,7 +25,7 @@ Invariants:
     with logical names at block boundaries. Names map to mesh axes in `fp4jax.models.sharding`.
   - scan_layers only changes the param layout: `unstack_layer_params` / `stack_layer_params` convert
     between the scanned (`blocks_{start}_{stop}`, leading axis "layers") and per-block (`block_{i}`) trees,
-    and the logits agree.
+    and the logits agree; `init_variables` gives an unrolled model its scanned twin's initial values.
 
 RoPE uses the half-split ("rotate_half") pairing (x[..., :R], x[..., R:]), not Meta's interleaved pairs:
 the two differ by a fixed permutation of each head's q/k output features, irrelevant when training from
@@ -520,13 +520,41 @@ def unstack_layer_params(params: dict, config: LlamaConfig) -> dict:
 
     Works on unboxed trees (plain arrays); the other entries are passed through unchanged.
     """
-    params = nn.meta.unbox(params)
-    out = {k: v for k, v in params.items() if not _is_block_key(k)}
+    return _unstack_layers(nn.meta.unbox(params), config)
+
+
+def _is_box(x) -> bool:
+    return isinstance(x, nn.Partitioned)
+
+
+def _layer_of(x, j: int):
+    """Layer j of a stacked leaf; a box loses its leading "layers" axis name with the axis."""
+    if _is_box(x):
+        return x.replace_boxed(x.value[j]).remove_axis(0, {nn.PARTITION_NAME: "layers"})
+    return x[j]
+
+
+def _unstack_layers(tree: dict, config: LlamaConfig) -> dict:
+    """unstack_layer_params for one variable collection, boxed (nn.Partitioned) or not; a segment the
+    collection lacks (a bf16 segment has no fp8_meta) is skipped."""
+    out = {k: v for k, v in tree.items() if not _is_block_key(k)}
     for start, stop, _ in block_segments(config):
-        stacked = params[segment_name(start, stop)]
-        for i in range(start, stop):
-            out[f"block_{i}"] = jax.tree.map(lambda x, j=i - start: x[j], stacked)
+        stacked = tree.get(segment_name(start, stop))
+        for i in range(start, stop) if stacked is not None else ():
+            out[f"block_{i}"] = jax.tree.map(lambda x, j=i - start: _layer_of(x, j), stacked, is_leaf=_is_box)
     return out
+
+
+def init_variables(model: Llama, rngs, tokens_BT: jax.Array) -> dict:
+    """model.init with the same values whatever config.scan_layers: an unrolled model (scan_layers=False)
+    is initialised as its scanned twin and its layers unstacked, so that the switch changes only the
+    compiled program (one block in a loop, or every block inline), never the random draw. Boxes
+    (logical axis names) are kept."""
+    if model.config.scan_layers:
+        return model.init(rngs, tokens_BT)
+    twin = model.clone(config=dataclasses.replace(model.config, scan_layers=True))
+    variables = twin.init(rngs, tokens_BT)
+    return {name: _unstack_layers(dict(tree), model.config) for name, tree in variables.items()}
 
 
 def stack_layer_params(params: dict, config: LlamaConfig) -> dict:

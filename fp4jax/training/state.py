@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fp4jax.models import llama
+
 # optax.tree.norm replaces the deprecated optax.global_norm (same value: the L2 norm over all leaves);
 # optax releases before optax.tree.norm existed have only the latter.
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -115,7 +117,7 @@ def make_init_fn(model, tx, batch_shape: tuple[int, int]):
     (under jit the forward pass that init traces is dead code)."""
 
     def init(rng):
-        variables = model.init({"params": rng}, jnp.zeros(batch_shape, jnp.int32))
+        variables = llama.init_variables(model, {"params": rng}, jnp.zeros(batch_shape, jnp.int32))
         params = variables["params"]
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
