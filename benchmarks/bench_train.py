@@ -61,9 +61,13 @@ def to_markdown(rows, config, command: str) -> str:
         harness.heading("Train step", f"{jax.device_count()} x {jax.devices()[0].device_kind}"),
         "",
         f"Model `{m.size}`, global batch {config.global_batch} x seq {config.seq_len}, remat "
-        f"`{m.remat or 'full'}`. Command: `{command}`",
+        f"`{m.remat or 'full'}`, blocks {'unrolled' if m.scan_layers is False else 'scanned'}. "
+        f"Command: `{command}`",
         "",
-        "| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | peak GB | last loss |",
+        # jax cannot reset a device's peak_bytes_in_use: every recipe of one run shares the process's
+        # high-water mark, so a row's peak is at least the rows above; a recipe's own peak needs a run
+        # of its own (or benchmarks/step_memory.py, which sizes the compiled step).
+        "| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | peak GB so far | last loss |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     base = rows[0]["tokens_per_s"]
