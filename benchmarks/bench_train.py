@@ -1,12 +1,16 @@
-"""Training throughput and MFU of the real trainer, one recipe after another in one process.
+"""Training throughput and MFU of the real trainer, one recipe after another, each in a process of its own.
 
     PYTHONPATH=. python benchmarks/bench_train.py --config configs/llama1b_pg_bf16.py \
-        --recipes bf16,fp8,mxfp4_full_h16 --steps 30 [--out FILE.md] [--config.KEY=VALUE ...]
+        --recipes bf16,fp8,mxfp4_full_h16 --steps 30 [--one-process] [--out FILE.md] [--config.KEY=VALUE ...]
 
 Each recipe trains `--steps` updates through `fp4jax.train.train` (the real data pipeline, jitted step,
 one-step-behind metrics) with evaluation and checkpoints off. The table reports the median over the
 updates after the first `--skip` (compilation and warm-up) of tokens/s and MFU as the trainer logs them,
-plus the last training loss, so a recipe that diverges shows it.
+the device's peak memory, and the last training loss, so a recipe that diverges shows it.
+
+Why a process per recipe: jax cannot reset a device's peak_bytes_in_use, so in one process every recipe
+reports the high-water mark of all before it. `--one-process` runs them in this process anyway (no
+start-up per recipe; the peak column then says "so far").
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -55,8 +60,23 @@ def bench_recipe(config, recipe: str, steps: int, skip: int) -> dict:
     }
 
 
-def to_markdown(rows, config, command: str) -> str:
+def bench_in_child(recipe: str, args, overrides: list[str]) -> dict:
+    """bench_recipe in a fresh process (this script with --one-process and one recipe): its own peak."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--recipes", recipe]
+    cmd += ["--steps", str(args.steps), "--skip", str(args.skip), "--one-process", *overrides]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through
+    lines = done.stdout.splitlines()
+    table = next((i for i, line in enumerate(lines) if line.startswith("### ")), len(lines))
+    print("\n".join(line for line in lines[:table] if not line.startswith("{")), flush=True)
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        raise SystemExit(f"error: recipe {recipe} failed (exit {done.returncode}); its output is above")
+    return rows[-1]
+
+
+def to_markdown(rows, config, command: str, one_process: bool = False) -> str:
     m = config.model
+    peak_header = "peak GB so far" if one_process else "peak GB"
     lines = [
         harness.heading("Train step", f"{jax.device_count()} x {jax.devices()[0].device_kind}"),
         "",
@@ -64,10 +84,8 @@ def to_markdown(rows, config, command: str) -> str:
         f"`{m.remat or 'full'}`, blocks {'unrolled' if m.scan_layers is False else 'scanned'}. "
         f"Command: `{command}`",
         "",
-        # jax cannot reset a device's peak_bytes_in_use: every recipe of one run shares the process's
-        # high-water mark, so a row's peak is at least the rows above; a recipe's own peak needs a run
-        # of its own (or benchmarks/step_memory.py, which sizes the compiled step).
-        "| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | peak GB so far | last loss |",
+        # In one process a row's peak is the high-water mark of every recipe so far (module docstring).
+        f"| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | {peak_header} | last loss |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     base = rows[0]["tokens_per_s"]
@@ -87,16 +105,21 @@ def main():
     parser.add_argument("--recipes", default="bf16,fp8,mxfp4_full_h16")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip", type=int, default=5, help="leading updates left out of the medians")
+    parser.add_argument("--one-process", action="store_true", help="every recipe in this process")
     parser.add_argument("--out", default="")
     args, overrides = parser.parse_known_args()
     config = load_config(args.config, overrides)
-    print(f"xla options: {setup.apply_xla_options(config)}", flush=True)  # as the trainer's command line
+    if args.one_process:
+        print(f"xla options: {setup.apply_xla_options(config)}", flush=True)  # as the trainer's command line
     rows = []
     for recipe in args.recipes.split(","):
-        rows.append(bench_recipe(config, recipe, args.steps, args.skip))
+        if args.one_process:
+            rows.append(bench_recipe(config, recipe, args.steps, args.skip))
+        else:
+            rows.append(bench_in_child(recipe, args, overrides))
         print(json.dumps(rows[-1]), flush=True)
     command = " ".join(["python benchmarks/bench_train.py", *sys.argv[1:]])
-    harness.emit(to_markdown(rows, config, command), args.out)
+    harness.emit(to_markdown(rows, config, command, args.one_process), args.out)
 
 
 if __name__ == "__main__":

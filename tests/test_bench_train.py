@@ -1,0 +1,32 @@
+"""benchmarks/bench_train.py: a process per recipe, so each row's peak memory is its own."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_each_recipe_runs_in_its_own_process(tmp_path):
+    out = tmp_path / "train.md"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--config", "configs/tiny_c4_h16.py"]
+    cmd += ["--recipes", "bf16,fp8", "--steps", "3", "--skip", "1", "--out", str(out)]
+    cmd += ["--config.seq_len=32", "--config.global_batch=8"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["recipe"] for r in rows] == ["bf16", "fp8"]  # one row each, not the child's copy too
+    assert all(r["tokens_per_s"] > 0 and r["last_loss"] > 0 for r in rows)
+    table = out.read_text()
+    assert "| peak GB |" in table and "so far" not in table
+    assert table.count("\n| bf16 |") == 1 and table.count("\n| fp8 |") == 1
+
+
+def test_a_failing_recipe_stops_with_one_line(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--config", "configs/tiny_c4_h16.py"]
+    cmd += ["--recipes", "no_such_recipe", "--steps", "2"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("error: recipe no_such_recipe failed")
