@@ -157,11 +157,11 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls)
 
 
 # Candidate Pallas tiles for --sweep (the first is the default in fused_quantize_pallas.TILES); a fold
-# entry "via_mx" times the other fold method (MX kernel, then a fold of its output) instead.
+# entry "via_mx" or "one_pass" times that fold method (fused_quantize_pallas.FOLD_METHOD) instead.
 SWEEP = {
     ("mx", False): [(32, 256, 4), (64, 256, 8), (16, 512, 4)],
     ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4)],  # also the column-parts sweep's
-    ("fp8_fold", False): [(8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4), "via_mx"],
+    ("fp8_fold", False): [(8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4), "via_mx", "one_pass"],
     ("fp8_fold", True): ["via_mx", (16, 256, 8), (32, 128, 8)],
 }
 
@@ -186,8 +186,8 @@ def sweep(m: int, k: int, iters: int) -> list[tuple]:
         default_tile, default_method = kernels.TILES[out, column], kernels.FOLD_METHOD[column]
         want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
         for candidate in candidates:
-            if candidate == "via_mx":
-                kernels.FOLD_METHOD[column], name = "via_mx", "pallas via_mx"
+            if candidate in ("via_mx", "one_pass"):
+                kernels.FOLD_METHOD[column], name = candidate, "pallas " + candidate
             else:
                 kernels.FOLD_METHOD[column] = "two_pass" if out == "fp8_fold" else default_method
                 kernels.TILES[out, column] = kernels.Tile(*candidate)

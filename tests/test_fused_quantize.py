@@ -267,11 +267,15 @@ def test_batch_dimensions_and_fold_flushes():
         (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "via_mx"),
         (-2, H16, "floor", "nearest_even", "e2m1", "via_mx"),
         (-2, NO_ROTATION, "floor", "nearest_even", "e2m1", "via_mx"),
+        (-1, H16, "even", "nearest_even", "e2m1", "one_pass"),
+        (-1, RANDOM32, "ceil", "nearest_away", "e2m1", "one_pass"),
+        (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "one_pass"),
+        (-2, H16, "even", "nearest_even", "e2m1", "one_pass"),  # columns: one_pass goes via_mx
     ],
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
 def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out, monkeypatch):
-    """out is "mx", or the fold method ("two_pass" or "via_mx") of an fp8_fold output."""
+    """out is "mx", or the fold method ("two_pass", "via_mx" or "one_pass") of an fp8_fold output."""
     from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 
     if out != "mx":

@@ -17,6 +17,9 @@ XLA path computes; only the tiling differs.
   tops; a small row-wise kernel then folds its E2M1 output, packed byte by packed byte (one uint16 of
   two E4M3 codes each). It moves 1.06 more bytes per element but keeps the transposing kernel small
   (the two-pass column kernel needs ~170 registers at sm_90).
+- fp8_fold, method "one_pass" (row layout, rows of at most ONE_PASS_MAX_ROW; others go via_mx): the mx
+  kernel's quantization with a whole row per program, so it knows each row's top block and writes E4M3
+  directly (one pass, no E2M1 round trip). Bit-identical to the others; not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -121,12 +124,13 @@ def _load_part(x_ref, column: bool, k: int, size: int):
     return x_ref[:, pl.ds(k, runs, stride=size)].astype(jnp.float32)
 
 
-def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size):
+def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size, fold_rows=None):
     """The (rotated) tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
 
     Part k holds element k of every run of `size` (a rotation block, fused_quantize.hadamard_parts),
     read from x with stride `size`; an MX block is `per_block` consecutive runs. Codes go back out with
-    the same stride (halved for packed E2M1: byte p of a run holds its elements 2p, 2p + 1).
+    the same stride (halved for packed E2M1: byte p of a run holds its elements 2p, 2p + 1). With
+    `fold_rows` (a whole row per tile: _RowFold) they go out folded into E4M3, one byte each.
     """
     parts = [_load_part(x_ref, column, k, size) for k in range(size)]
     rows, runs = parts[0].shape
@@ -144,7 +148,14 @@ def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size
 
     e, f = per_run(exponent), per_run(finite)
     codes = [jnp.where(f, fq.encode_nearest(b, e, fmt, spec), 0) for b in bits]
-    if fmt.name == "e2m1":
+    if fold_rows is not None:
+        shift, keep, nan_row = fold_rows.per_block(exponent, finite, nonzero)
+        shift, keep = per_run(shift), per_run(keep)
+        for k in range(size):
+            folded = jnp.where(keep, fold_e2m1_to_e4m3fn(codes[k], shift), 0)
+            folded = jnp.where(nan_row, fq._E4M3FN_NAN, folded)
+            data_ref[:, pl.ds(k, runs, stride=size)] = folded.astype(jnp.uint8)
+    elif fmt.name == "e2m1":
         for p in range(size // 2):
             byte = (codes[2 * p] & 0xF) | ((codes[2 * p + 1] & 0xF) << 4)
             data_ref[:, pl.ds(p, runs, stride=size // 2)] = byte.astype(jnp.uint8)
@@ -152,6 +163,25 @@ def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size
         for k in range(size):
             data_ref[:, pl.ds(k, runs, stride=size)] = codes[k].astype(jnp.uint8)
     return exponent, finite, nonzero
+
+
+@dataclasses.dataclass
+class _RowFold:
+    """The fold of a tile that holds whole rows (fold.py's rule), and what it reports per row."""
+
+    row_top: jax.Array | None = None  # (rows, 1) int32, once per_block has run
+    nan_row: jax.Array | None = None  # (rows, 1) bool
+    flushed: jax.Array | None = None  # (rows, 1) int32
+
+    def per_block(self, exponent, finite, nonzero):
+        """(rows, blocks) block exponents etc. -> per block: (E4M3 shift, kept, NaN row (rows, 1))."""
+        top = jnp.max(jnp.where(nonzero, exponent, fq._NO_BLOCK), axis=1, keepdims=True)
+        self.row_top = jnp.where(top == fq._NO_BLOCK, 0, top)
+        self.nan_row = jnp.max((~finite).astype(jnp.int32), axis=1, keepdims=True) > 0
+        shift, in_window = fq.fold_window(exponent, self.row_top, fold.fold_shift(jnp.float8_e4m3fn))
+        flushed = nonzero & ~in_window & ~self.nan_row
+        self.flushed = jnp.sum(flushed.astype(jnp.int32), axis=1, keepdims=True)
+        return shift, in_window, self.nan_row
 
 
 def _mx_kernel(x_ref, *refs, column, spec, rotation, has_signs, with_tops):
@@ -392,6 +422,72 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, interpret):
     return folded, row_exponent, jnp.sum(flushed)
 
 
+# ----------------------------------------------------------------------------------------------------
+# out="fp8_fold" in one pass, where a program holds whole rows (row layout, a short contraction axis)
+
+
+# Rows up to this length (a power of two) fold in one pass; a program takes ONE_PASS.cols elements of
+# whole rows (at least one row) with ONE_PASS.warps warps.
+ONE_PASS_MAX_ROW = 8192
+ONE_PASS = Tile(rows=1, cols=8192, warps=8)
+
+
+def _one_pass_fits(n: int, spec, rotation) -> bool:
+    multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
+    return n <= ONE_PASS_MAX_ROW and n & (n - 1) == 0 and n % multiple == 0
+
+
+def _fold_one_pass_kernel(x_ref, *refs, spec, rotation, has_signs):
+    """The mx kernel's quantization of whole rows, written folded: E4M3 bytes, row exponents, flushes."""
+    s_ref = refs[0] if has_signs else None
+    data_ref, rowexp_ref, flushed_ref = refs[-3:]
+    fmt, rows = get_elem_format(spec.elem), data_ref.shape[0]
+    fold_rows = _RowFold()
+    size = _parts(spec, rotation, column=False)
+    if size:
+        _quantize_by_parts(x_ref, s_ref, data_ref, False, spec, rotation, fmt, size, fold_rows)
+    else:
+        t = _rotate(_load_tile(x_ref, False), rotation, s_ref)
+        codes, exponent, finite, nonzero = fq._quantize_tile(t, fmt, spec)
+        by_row = lambda v: v.reshape(rows, -1)  # noqa: E731  (rows, blocks)
+        shift, keep, nan_row = fold_rows.per_block(by_row(exponent), by_row(finite), by_row(nonzero))
+        folded = fold_e2m1_to_e4m3fn(codes.reshape(rows, -1, spec.block_size), shift[:, :, None])
+        folded = jnp.where(keep[:, :, None], folded, 0)
+        folded = jnp.where(nan_row[:, :, None], fq._E4M3FN_NAN, folded)
+        data_ref[...] = folded.reshape(rows, -1).astype(jnp.uint8)
+    shift = fold.fold_shift(jnp.float8_e4m3fn)
+    rowexp_ref[...] = jnp.where(fold_rows.nan_row, 0, fold_rows.row_top - shift)
+    flushed_ref[...] = fold_rows.flushed
+
+
+def _fold_one_pass(x3, spec, rotation, sign_row, interpret):
+    batch, out_rows, n = x3.shape
+    tr = _pick(out_rows, max(1, ONE_PASS.cols // n), 1)
+    in_specs, args = [pl.BlockSpec((None, tr, n), lambda b, i: (b, i, 0))], [x3]
+    if sign_row is not None:
+        in_specs.append(pl.BlockSpec((1, n), lambda b, i: (0, 0)))
+        args.append(sign_row)
+    kernel = functools.partial(
+        _fold_one_pass_kernel, spec=spec, rotation=rotation, has_signs=sign_row is not None
+    )
+    per_row = pl.BlockSpec((None, tr, 1), lambda b, i: (b, i, 0))
+    data, row_exponent, flushed = pl.pallas_call(
+        kernel,
+        grid=(batch, out_rows // tr),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, tr, n), lambda b, i: (b, i, 0)), per_row, per_row],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, out_rows, n), jnp.uint8),
+            jax.ShapeDtypeStruct((batch, out_rows, 1), jnp.int32),
+            jax.ShapeDtypeStruct((batch, out_rows, 1), jnp.int32),
+        ],
+        compiler_params=_params(ONE_PASS),
+        interpret=interpret,
+        name="fused_rotate_quantize_fold_one_pass",
+    )(*args)
+    return data.reshape(batch * out_rows, n), row_exponent.reshape(-1), jnp.sum(flushed)
+
+
 # How each layout's fold runs: "two_pass" (one kernel, reads x twice, the second time mostly from L2)
 # or "via_mx" (the MX kernel, then a fold of its E2M1 output: 1.06 extra bytes per element, but the
 # kernels stay small). via_mx for both: on an H200 (2026-12-01) the row layout with H16 took 538 against
@@ -399,7 +495,9 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, interpret):
 # (348 / 333, 1,288 / 1,326 us); in the 1B step it raised mxfp4_full_h16 from 46,385 to 49,924 tokens/s
 # (docs/performance.md). After the short encoder and the packed-byte fold (2026-12-01, later) via_mx still
 # wins with H16 at 32768x2048: rows 345 against 445-481 us (two-pass tiles), columns 281 against 812.
-# benchmarks/bench_quantize.py --sweep times both.
+# benchmarks/bench_quantize.py --sweep times both. A third, "one_pass" (row layout only, rows up to
+# ONE_PASS_MAX_ROW; longer rows go via_mx), writes E4M3 from the mx kernel itself: a whole row per
+# program knows its top block. Not timed on a GPU yet (2026-12-02), so not the default; --sweep times it.
 FOLD_METHOD = {False: "via_mx", True: "via_mx"}
 
 
@@ -407,6 +505,9 @@ def rotate_quantize_3d(x3, column, spec, rotation, sign_row, out, interpret):
     """x3: (batch, rows, cols); returns fused_quantize's raw outputs (uint8 / int32 arrays)."""
     if out == "mx":
         return _mx_call(x3, column, spec, rotation, sign_row, interpret)
-    if FOLD_METHOD[column] == "via_mx":
+    method = FOLD_METHOD[column]
+    if method == "one_pass" and not column and _one_pass_fits(x3.shape[2], spec, rotation):
+        return _fold_one_pass(x3, spec, rotation, sign_row, interpret)
+    if method in ("via_mx", "one_pass"):
         return _fold_via_mx(x3, column, spec, rotation, sign_row, interpret)
     return _fold_call(x3, column, spec, rotation, sign_row, interpret)
