@@ -115,6 +115,18 @@ def test_every_checkpoint_bad_is_one_line_and_exit_2(run_copy, token_cache, caps
     assert len(os.listdir(run_copy / "checkpoints" / integrity.QUARANTINE)) == 3
 
 
+def test_checkpoint_of_another_layout_is_one_line_and_kept(run_copy, good_run, token_cache, capsys):
+    """A good checkpoint of the scanned model does not fit an unrolled run: exit 2, one line naming the
+    key to set, and nothing set aside (it is not corrupt)."""
+    argv = cli_args(run_copy, token_cache, steps=7, **{"model.scan_layers": False})
+    assert cli.main(["fp4jax.train", *argv]) == 2
+    err = error_lines(capsys)
+    assert len(err) == 1 and "does not fit this run" in err[0] and "model.scan_layers" in err[0], err
+    quarantine = run_copy / "checkpoints" / integrity.QUARANTINE
+    assert not quarantine.exists() or not os.listdir(quarantine)
+    assert sorted(os.listdir(run_copy / "checkpoints")) == sorted(os.listdir(good_run / "checkpoints"))
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's cut-off writes
 def test_full_disk_names_the_checkpoint_and_keeps_the_previous_one(
     run_copy, token_cache, capsys, monkeypatch

@@ -188,7 +188,8 @@ def restore_newest_good(
                 if isinstance(exc, ValueError | KeyError):  # verified, so it fits another config
                     raise CheckpointError(
                         f"checkpoint {step_dir} is intact but does not fit this run ({reason}); use the "
-                        "config it was written with, or a new --workdir"
+                        "config it was written with (model.scan_layers too: it sets the params' layout), "
+                        "or a new --workdir"
                     ) from exc
                 raise
             _report_bad(step_dir, f"unverified and unreadable: {reason}", may_move)
