@@ -540,7 +540,9 @@ def _unstack_layers(tree: dict, config: LlamaConfig) -> dict:
     out = {k: v for k, v in tree.items() if not _is_block_key(k)}
     for start, stop, _ in block_segments(config):
         stacked = tree.get(segment_name(start, stop))
-        for i in range(start, stop) if stacked is not None else ():
+        if stacked is None:
+            continue
+        for i in range(start, stop):
             out[f"block_{i}"] = jax.tree.map(lambda x, j=i - start: _layer_of(x, j), stacked, is_leaf=_is_box)
     return out
 

@@ -250,12 +250,18 @@ def fold_window(exponent, row_top, shift: int):
     return jnp.clip(delta, -fold.WINDOW, 0) + shift, delta >= -fold.WINDOW
 
 
+def fold_elements(codes, shift, in_window, nan_row):
+    """E4M3FN codes of E2M1 `codes` times 2^shift; +0 outside the window, NaN in NaN rows (fold.py's rule).
+
+    The arguments broadcast against each other (per element, per block or per row)."""
+    folded = jnp.where(in_window, fold_e2m1_to_e4m3fn(codes, shift), 0)
+    return jnp.where(nan_row, _E4M3FN_NAN, folded)
+
+
 def _fold_codes(codes, exponent, nonzero, row_top, nan_row, shift: int):
     """E4M3FN codes of q 2^(e_b - top + shift), flushed blocks +0, NaN rows NaN (fold.py's rule)."""
     block_shift, in_window = fold_window(exponent, row_top, shift)
-    folded = fold_e2m1_to_e4m3fn(codes, block_shift[:, None])
-    folded = jnp.where(in_window[:, None], folded, 0)
-    folded = jnp.where(nan_row[:, None], _E4M3FN_NAN, folded)
+    folded = fold_elements(codes, block_shift[:, None], in_window[:, None], nan_row[:, None])
     flushed = nonzero & ~in_window & ~nan_row
     return folded, flushed
 

@@ -152,8 +152,7 @@ def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size
         shift, keep, nan_row = fold_rows.per_block(exponent, finite, nonzero)
         shift, keep = per_run(shift), per_run(keep)
         for k in range(size):
-            folded = jnp.where(keep, fold_e2m1_to_e4m3fn(codes[k], shift), 0)
-            folded = jnp.where(nan_row, fq._E4M3FN_NAN, folded)
+            folded = fq.fold_elements(codes[k], shift, keep, nan_row)
             data_ref[:, pl.ds(k, runs, stride=size)] = folded.astype(jnp.uint8)
     elif fmt.name == "e2m1":
         for p in range(size // 2):
@@ -451,9 +450,8 @@ def _fold_one_pass_kernel(x_ref, *refs, spec, rotation, has_signs):
         codes, exponent, finite, nonzero = fq._quantize_tile(t, fmt, spec)
         by_row = lambda v: v.reshape(rows, -1)  # noqa: E731  (rows, blocks)
         shift, keep, nan_row = fold_rows.per_block(by_row(exponent), by_row(finite), by_row(nonzero))
-        folded = fold_e2m1_to_e4m3fn(codes.reshape(rows, -1, spec.block_size), shift[:, :, None])
-        folded = jnp.where(keep[:, :, None], folded, 0)
-        folded = jnp.where(nan_row[:, :, None], fq._E4M3FN_NAN, folded)
+        by_block = codes.reshape(rows, -1, spec.block_size)
+        folded = fq.fold_elements(by_block, shift[:, :, None], keep[:, :, None], nan_row[:, :, None])
         data_ref[...] = folded.reshape(rows, -1).astype(jnp.uint8)
     shift = fold.fold_shift(jnp.float8_e4m3fn)
     rowexp_ref[...] = jnp.where(fold_rows.nan_row, 0, fold_rows.row_top - shift)
