@@ -310,6 +310,61 @@ def test_pallas_whole_tile_reads_still_match_reference(monkeypatch):
     fq._rotate_quantize.clear_cache()
 
 
+# The defaults (fused_quantize_pallas.SPLIT_LOADS, JOINED_STORES) are covered by the tests above; these
+# are the other ways of moving parts through memory.
+MEMORY_ACCESS = {
+    "strided": ({"mx": False, "one_pass": False}, False),
+    "split_everywhere": ({"mx": True, "one_pass": True}, True),
+}
+
+
+@pytest.mark.parametrize("access", list(MEMORY_ACCESS))
+@pytest.mark.parametrize(
+    "axis, rotation, elem, out",
+    [
+        (-1, H16, "e2m1", "mx"),
+        (-2, H16, "e2m1", "mx"),
+        (-1, RANDOM32, "e4m3", "mx"),
+        (-2, NO_ROTATION, "e2m1", "mx"),  # unrotated columns by parts: the stores differ only
+        (-1, H16, "e2m1", "one_pass"),
+        (-2, H16, "e2m1", "via_mx"),
+    ],
+    ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
+)
+def test_pallas_parts_by_any_memory_access_match_reference(axis, rotation, elem, out, access, monkeypatch):
+    """Strided or split loads, strided or joined stores: the same parts, so the reference bits."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    split_loads, joined_stores = MEMORY_ACCESS[access]
+    monkeypatch.setattr(kernels, "SPLIT_LOADS", split_loads)
+    monkeypatch.setattr(kernels, "JOINED_STORES", joined_stores)
+    if out != "mx":
+        monkeypatch.setitem(kernels.FOLD_METHOD, axis == -2, out)
+    fq._rotate_quantize.clear_cache()
+    x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=11))
+    signs = random_signs(jax.random.key(4), rotation.size) if rotation.kind == "random" else None
+    spec = QuantSpec(kind="mx", elem=elem, scale_mode="even")
+    _check(
+        x,
+        axis=axis,
+        spec=spec,
+        rotation=rotation,
+        out="mx" if out == "mx" else "fp8_fold",
+        impl="pallas",
+        signs=signs,
+    )
+    fq._rotate_quantize.clear_cache()
+
+
+def test_interleave_puts_part_q_at_position_q_of_each_run():
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    parts = [jnp.full((2, 3), q, jnp.int32) + 100 * jnp.arange(3) for q in range(8)]
+    got = np.asarray(kernels._interleave(parts))
+    want = np.array([[100 * run + q for run in range(3) for q in range(8)]] * 2)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("parts", [2, 8, 32])
 def test_pallas_unrotated_columns_by_parts_of_any_size(parts, monkeypatch):
     """COLUMN_PARTS is a speed knob only: every size that divides the block gives the reference bits."""
@@ -322,9 +377,14 @@ def test_pallas_unrotated_columns_by_parts_of_any_size(parts, monkeypatch):
     fq._rotate_quantize.clear_cache()
 
 
-def test_pallas_lowers_to_triton_without_a_gpu():
+@pytest.mark.parametrize("access", list(MEMORY_ACCESS) + ["default"])
+def test_pallas_lowers_to_triton_without_a_gpu(access, monkeypatch):
     from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 
+    if access != "default":
+        split_loads, joined_stores = MEMORY_ACCESS[access]
+        monkeypatch.setattr(kernels, "SPLIT_LOADS", split_loads)
+        monkeypatch.setattr(kernels, "JOINED_STORES", joined_stores)
     x = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
     signs = jax.ShapeDtypeStruct((1, 64), jnp.float32)
     spec = QuantSpec(kind="mx", scale_mode="even")

@@ -5,21 +5,23 @@ _quantize_tile or block_info_from_amax and encode_nearest, _fold_codes), so it c
 XLA path computes; only the tiling differs.
 
 - mx: a 2-D grid of (tm, tk) tiles of x; a column-wise tile is transposed in registers, so both layouts
-  read x once and write the transposed output directly. A rotated tile is read "by parts" (part k =
-  element k of every rotation block, a strided read), so the butterflies are elementwise between parts
-  (fused_quantize.hadamard_parts) and the codes are written back with the same stride. An unrotated
-  column-wise tile is read by parts too (COLUMN_PARTS), which makes its transpose a set of small ones.
-- fp8_fold, method "two_pass" (kept for comparison; FOLD_METHOD picks via_mx): one program per strip
-  of whole output rows (a contract-B row spans the whole contraction axis). Pass 1 walks the strip and
-  keeps only each row's top non-zero block exponent; pass 2 walks it backwards (the chunks read last
-  are the likeliest to still be in L2), re-quantizes and writes E4M3.
+  read x once and write the transposed output directly. A rotated tile is taken "by parts" (part k =
+  element k of every rotation block), so the butterflies are elementwise between parts
+  (fused_quantize.hadamard_parts), and each part's codes go back to position k of every block. A row
+  tile is read contiguously and split into parts in registers (SPLIT_LOADS), and the codes are joined
+  back into runs in registers and stored contiguously (JOINED_STORES). An unrotated column-wise tile is
+  taken by parts too (COLUMN_PARTS), which makes its transpose a set of small ones.
+- fp8_fold, method "two_pass" (kept for comparison): one program per strip of whole output rows (a
+  contract-B row spans the whole contraction axis). Pass 1 walks the strip and keeps only each row's
+  top non-zero block exponent; pass 2 walks it backwards (the chunks read last are the likeliest to
+  still be in L2), re-quantizes and writes E4M3.
 - fp8_fold, method "via_mx" (both layouts): the mx kernel also writes each tile's part of the row
   tops; a small row-wise kernel then folds its E2M1 output, packed byte by packed byte (one uint16 of
   two E4M3 codes each). It moves 1.06 more bytes per element but keeps the transposing kernel small
   (the two-pass column kernel needs ~170 registers at sm_90).
-- fp8_fold, method "one_pass" (row layout, rows of at most ONE_PASS_MAX_ROW; others go via_mx): the mx
-  kernel's quantization with a whole row per program, so it knows each row's top block and writes E4M3
-  directly (one pass, no E2M1 round trip). Bit-identical to the others; not yet timed on a GPU.
+- fp8_fold, method "one_pass" (the row default; rows of at most ONE_PASS_MAX_ROW, others go via_mx): the
+  mx kernel's quantization with a whole row per program, so it knows each row's top block and writes
+  E4M3 directly (one pass, no E2M1 round trip).
 """
 
 from __future__ import annotations
@@ -116,6 +118,50 @@ def _parts(spec, rotation, column: bool) -> int:
     return COLUMN_PARTS if column and COLUMN_PARTS and spec.block_size % COLUMN_PARTS == 0 else 0
 
 
+# How a tile read by parts moves through memory; the same bits either way.
+# - SPLIT_LOADS, per kernel (row layout, where a part's elements lie `size` apart in a row): one
+#   contiguous, vectorizable read of the tile, split into parts in registers, instead of one strided read
+#   per part. The column layout's parts are whole rows of x, contiguous already.
+# - JOINED_STORES (both layouts): the parts' codes joined back into runs in registers and written with one
+#   contiguous store, instead of one strided store per part.
+# On an H200 (2026-12-02, H16, 32768 x 8192, docs/performance.md) the row mx kernel took 329 us split and
+# joined against 420 strided, the column one 381 against 504 joined; the one-pass fold 516 us joined with
+# strided loads against 535 split (and 1,199 with neither). benchmarks/bench_quantize.py --sweep times them.
+SPLIT_LOADS = {"mx": True, "one_pass": False}
+JOINED_STORES = True
+
+
+def _load_parts(x_ref, column: bool, size: int, split: bool) -> list[jax.Array]:
+    """The tile by parts: [element k of every run of `size`, as (output rows, runs) float32]."""
+    if column or not split:
+        return [_load_part(x_ref, column, k, size) for k in range(size)]
+    t = x_ref[...].astype(jnp.float32)
+    rows, runs = t.shape[0], t.shape[1] // size
+    return [p.reshape(rows, runs) for p in jnp.split(t.reshape(rows, runs, size), size, axis=2)]
+
+
+def _interleave(values: list[jax.Array]) -> jax.Array:
+    """[v_0 .. v_{m-1}], each (rows, runs), m a power of two -> (rows, runs * m), v_q at position q of
+    every run. Built from two-way joins along a new last axis (all Triton's join offers): each round
+    pairs the values whose index differs in the highest bit left, so that bit becomes the slowest of
+    the new axes and the final reshape reads the runs in order."""
+    rows, runs = values[0].shape
+    while len(values) > 1:
+        half = len(values) // 2
+        values = [jnp.stack([values[r], values[r + half]], axis=-1) for r in range(half)]
+    return values[0].reshape(rows, -1)
+
+
+def _store_parts(data_ref, parts: list[jax.Array], stride: int):
+    """Writes the uint8 (rows, runs) parts to data_ref, part k at position k of every run of `stride`."""
+    if JOINED_STORES:
+        data_ref[...] = _interleave(parts)
+        return
+    runs = parts[0].shape[1]
+    for k, part in enumerate(parts):
+        data_ref[:, pl.ds(k, runs, stride=stride)] = part
+
+
 def _load_part(x_ref, column: bool, k: int, size: int):
     """Element k of every run of `size` along the quantized axis, as an (output rows, runs) float32 tile."""
     runs = (x_ref.shape[0] if column else x_ref.shape[1]) // size
@@ -127,12 +173,13 @@ def _load_part(x_ref, column: bool, k: int, size: int):
 def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size, fold_rows=None):
     """The (rotated) tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
 
-    Part k holds element k of every run of `size` (a rotation block, fused_quantize.hadamard_parts),
-    read from x with stride `size`; an MX block is `per_block` consecutive runs. Codes go back out with
-    the same stride (halved for packed E2M1: byte p of a run holds its elements 2p, 2p + 1). With
-    `fold_rows` (a whole row per tile: _RowFold) they go out folded into E4M3, one byte each.
+    Part k holds element k of every run of `size` (a rotation block, fused_quantize.hadamard_parts);
+    an MX block is `per_block` consecutive runs. Codes go back to position k of every run (halved for
+    packed E2M1: byte p of a run holds its elements 2p, 2p + 1). With `fold_rows` (the one-pass kernel: a
+    whole row per tile, _RowFold) they go out folded into E4M3, one byte each.
     """
-    parts = [_load_part(x_ref, column, k, size) for k in range(size)]
+    split = SPLIT_LOADS["one_pass" if fold_rows is not None else "mx"]
+    parts = _load_parts(x_ref, column, size, split)
     rows, runs = parts[0].shape
     if rotation.kind != "none":
         signs = None if s_ref is None else [s_ref[:, pl.ds(k, runs, stride=size)] for k in range(size)]
@@ -151,16 +198,13 @@ def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size
     if fold_rows is not None:
         shift, keep, nan_row = fold_rows.per_block(exponent, finite, nonzero)
         shift, keep = per_run(shift), per_run(keep)
-        for k in range(size):
-            folded = fq.fold_elements(codes[k], shift, keep, nan_row)
-            data_ref[:, pl.ds(k, runs, stride=size)] = folded.astype(jnp.uint8)
+        folded = [fq.fold_elements(c, shift, keep, nan_row).astype(jnp.uint8) for c in codes]
+        _store_parts(data_ref, folded, size)
     elif fmt.name == "e2m1":
-        for p in range(size // 2):
-            byte = (codes[2 * p] & 0xF) | ((codes[2 * p + 1] & 0xF) << 4)
-            data_ref[:, pl.ds(p, runs, stride=size // 2)] = byte.astype(jnp.uint8)
+        pairs = [(codes[2 * p] & 0xF) | ((codes[2 * p + 1] & 0xF) << 4) for p in range(size // 2)]
+        _store_parts(data_ref, [b.astype(jnp.uint8) for b in pairs], size // 2)
     else:
-        for k in range(size):
-            data_ref[:, pl.ds(k, runs, stride=size)] = codes[k].astype(jnp.uint8)
+        _store_parts(data_ref, [c.astype(jnp.uint8) for c in codes], size)
     return exponent, finite, nonzero
 
 
@@ -425,15 +469,18 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, interpret):
 # out="fp8_fold" in one pass, where a program holds whole rows (row layout, a short contraction axis)
 
 
-# Rows up to this length (a power of two) fold in one pass; a program takes ONE_PASS.cols elements of
-# whole rows (at least one row) with ONE_PASS.warps warps.
-ONE_PASS_MAX_ROW = 8192
+# Rows up to this length (a power of two), by whether they are rotated, fold in one pass; a program
+# takes ONE_PASS.cols elements of whole rows (at least one row) with ONE_PASS.warps warps. On an H200
+# (2026-12-02) the one-pass fold beat via_mx with H16 at rows of 2048 (160 against 213 us, 32768 rows)
+# and 8192 (516 against 795), and unrotated at 2048 (134 against 162) but not at 8192 (626 against 584).
+ONE_PASS_MAX_ROW = {True: 8192, False: 2048}
 ONE_PASS = Tile(rows=1, cols=8192, warps=8)
 
 
 def _one_pass_fits(n: int, spec, rotation) -> bool:
-    multiple = max(spec.block_size, rotation.size if rotation.kind != "none" else 1)
-    return n <= ONE_PASS_MAX_ROW and n & (n - 1) == 0 and n % multiple == 0
+    rotated = rotation.kind != "none"
+    multiple = max(spec.block_size, rotation.size if rotated else 1)
+    return n <= ONE_PASS_MAX_ROW[rotated] and n & (n - 1) == 0 and n % multiple == 0
 
 
 def _fold_one_pass_kernel(x_ref, *refs, spec, rotation, has_signs):
@@ -493,10 +540,11 @@ def _fold_one_pass(x3, spec, rotation, sign_row, interpret):
 # (348 / 333, 1,288 / 1,326 us); in the 1B step it raised mxfp4_full_h16 from 46,385 to 49,924 tokens/s
 # (docs/performance.md). After the short encoder and the packed-byte fold (2026-12-01, later) via_mx still
 # wins with H16 at 32768x2048: rows 345 against 445-481 us (two-pass tiles), columns 281 against 812.
-# benchmarks/bench_quantize.py --sweep times both. A third, "one_pass" (row layout only, rows up to
-# ONE_PASS_MAX_ROW; longer rows go via_mx), writes E4M3 from the mx kernel itself: a whole row per
-# program knows its top block. Not timed on a GPU yet (2026-12-02), so not the default; --sweep times it.
-FOLD_METHOD = {False: "via_mx", True: "via_mx"}
+# A third, "one_pass" (row layout only, rows up to ONE_PASS_MAX_ROW; other rows go via_mx), writes E4M3
+# from the mx kernel itself: a whole row per program knows its top block. It is the row default since
+# the joined stores (2026-12-02: the timings at ONE_PASS_MAX_ROW). benchmarks/bench_quantize.py --sweep
+# times all three.
+FOLD_METHOD = {False: "one_pass", True: "via_mx"}
 
 
 def rotate_quantize_3d(x3, column, spec, rotation, sign_row, out, interpret):
