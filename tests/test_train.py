@@ -184,6 +184,42 @@ def test_step_timer_counts_each_update_once():
     np.testing.assert_allclose(spans, [1.0, 1.5, 1.0, 1.2])
 
 
+def _dispatch_and_fetch_order(monkeypatch) -> list[str]:
+    """Records the trainer's dispatches ("d3": update 3 dispatched) and fetches ("f3") as they happen."""
+    from fp4jax.training import trainer
+
+    events, dispatch, fetch = [], trainer._dispatch, trainer._fetch
+
+    def recorded_dispatch(run, step, batch):
+        events.append(f"d{step}")
+        return dispatch(run, step, batch)
+
+    def recorded_fetch(run, step, device_metrics, timer):
+        events.append(f"f{step}")
+        return fetch(run, step, device_metrics, timer)
+
+    monkeypatch.setattr(trainer, "_dispatch", recorded_dispatch)
+    monkeypatch.setattr(trainer, "_fetch", recorded_fetch)
+    return events
+
+
+def test_dispatch_ahead_only_between_plain_updates_and_changes_no_number(
+    tmp_path, token_cache, good_run, monkeypatch
+):
+    """Update s + 1 goes out before s's metrics are fetched unless an evaluation or a checkpoint falls
+    after s (the tiny run: checkpoints after 2, 4, 6, an evaluation after 4); the metrics and the
+    checkpoints are the same as with dispatch_ahead off."""
+    events = _dispatch_and_fetch_order(monkeypatch)
+    train(tiny_config(token_cache, dispatch_ahead=False), str(tmp_path / "in_turn"))
+    in_turn, events[:] = list(events), []
+    train(tiny_config(token_cache), str(tmp_path / "ahead"))
+    assert in_turn == ["d1", "f1", "d2", "f2", "d3", "f3", "d4", "f4", "d5", "f5", "d6", "f6"]
+    assert events == ["d1", "d2", "f1", "f2", "d3", "d4", "f3", "f4", "d5", "d6", "f5", "f6"]
+    for run in ("in_turn", "ahead"):
+        assert compare(tmp_path / run) == compare(good_run)
+        assert checkpoint.make_manager(str(tmp_path / run), keep=3).all_steps() == [2, 4, 6]
+
+
 # -------------------------------------------------------------------------- probe and profiler switches
 
 

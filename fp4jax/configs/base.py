@@ -123,6 +123,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.progress_bar = True
     c.tensorboard = True
+    c.dispatch_ahead = True  # dispatch update s + 1 before fetching update s's metrics (training/trainer.py)
     c.debug_nan_at_step = 0
     c.divergence = ml_collections.ConfigDict({"spike_nats": 0.0, "window": 20})
     c.diagnostics = ml_collections.ConfigDict({"every": 0})

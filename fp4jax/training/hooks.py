@@ -54,6 +54,13 @@ class Profiler:
         if self.active and step >= self.last:
             self.stop()
 
+    def changes_between(self, step: int, next_step: int) -> bool:
+        """Whether the trace stops after `step` or starts before `next_step` (so that an update dispatched
+        ahead would straddle its edge)."""
+        stops = self.active and step >= self.last
+        starts = not self.done and not self.active and next_step >= self.start
+        return stops or starts
+
     def stop(self):
         if self.active:
             jax.profiler.stop_trace()

@@ -40,9 +40,11 @@ class StepTimer:
     """Wall time of each update: from the moment the host saw the previous update finish (or the loop
     resumed after an evaluation or a save) to the moment it sees this one finish.
 
-    The loop waits for update s's metrics before it dispatches update s + 1 (and prepares batch s + 1
-    while update s runs), so every update, the last one included, is timed over the same span: at least
-    its device time, never less, so no MFU above the device's real one.
+    Without dispatching ahead the loop waits for update s's metrics before it dispatches update s + 1,
+    so every update is timed over at least its device time plus the host's work in between. With it
+    (trainer.py), update s + 1 runs on the device while the host fetches s and logs, so a lap is update
+    s + 1's device time, give or take how late the host noticed each end: the laps of a run add up to its
+    wall time, and in steady state each is the device time.
     """
 
     def __init__(self, clock=time.perf_counter):

@@ -3,8 +3,12 @@
 `train(config, workdir)` is the entry point (python -m fp4jax.train only parses flags and calls it). The
 loop reads top to bottom in `_run_updates`; each update s:
   probe (every diagnostics.every updates) -> dispatch update s -> prepare batch s + 1 while it runs ->
-  fetch update s's metrics (waits for it) -> divergence guard -> metrics line -> evaluation, checkpoint
-  or stop, when due.
+  [dispatch update s + 1 ahead] -> fetch update s's metrics (waits for it) -> divergence guard ->
+  metrics line -> evaluation, checkpoint or stop, when due.
+Dispatching ahead (config.dispatch_ahead) keeps the device busy while the host fetches, logs and
+dispatches: it is done only after updates that the schedule leaves plain (no evaluation or checkpoint
+due after s, no probe before s + 1, no profile starting or stopping), a rule every process computes
+alike. A stop requested meanwhile is honoured after update s + 1; a divergence at s discards s + 1.
 A state is evaluated or saved only after its metrics were fetched and found finite.
 """
 
@@ -192,26 +196,71 @@ def run_loop(run: Run) -> dict:
     return summary
 
 
+@dataclasses.dataclass
+class _Dispatched:
+    """An update in flight: its device metrics, where a checkpoint of it resumes reading, the next batch."""
+
+    device_metrics: dict
+    data_state: dict
+    next_batch: dict | None
+
+
 def _run_updates(run: Run, writer, guard, signals, profiler):
     """The loop. Returns (last update run, stop status or None, Divergence or None)."""
     timer = metrics.StepTimer()
-    batch, step = _next_batch(run), run.start_step
+    batch, step, ahead, stop_pending = _next_batch(run), run.start_step, None, False
     for step in range(run.start_step + 1, run.last_step + 1):
-        profiler.before(step)
-        probe_record = _maybe_probe(run, batch, step, timer)
-        run.state, device_metrics = run.train_fn(run.state, batch, run.quant_key)
-        data_state = run.train_iter.get_state()  # where a checkpoint of update `step` resumes reading
-        batch = _next_batch(run) if step < run.last_step else None  # host work while the device runs
-        record = _fetch(run, step, device_metrics, timer)
+        probe_record = {}
+        if ahead is None:
+            profiler.before(step)
+            probe_record = _maybe_probe(run, batch, step, timer)
+            ahead = _dispatch(run, step, batch)
+        current, ahead = ahead, None
+        if _may_dispatch_ahead(run, step, profiler, stop_pending):
+            ahead = _dispatch(run, step + 1, current.next_batch)
+        batch = current.next_batch
+        record = _fetch(run, step, current.device_metrics, timer)
         profiler.after(step)
         divergence = guard.check(step, record)
         writer.write({**record, **probe_record})
         if divergence is not None:
-            return step, None, divergence
-        stop = _boundary(run, step, data_state, signals.agreed(step), writer, guard, timer)
+            return step, None, divergence  # an update dispatched ahead is discarded, never saved
+        stop_pending = stop_pending or signals.agreed(step)
+        if ahead is not None:  # run.state is already update step + 1's: nothing of `step` is saved
+            continue
+        stop = _boundary(run, step, current.data_state, stop_pending, writer, guard, timer)
         if stop:
             return step, stop, None
     return step, None, None
+
+
+def _dispatch(run: Run, step: int, batch: dict) -> _Dispatched:
+    """Dispatches update `step` (run.state becomes its result, still on its way) and reads batch step + 1
+    while the device runs."""
+    run.state, device_metrics = run.train_fn(run.state, batch, run.quant_key)
+    data_state = run.train_iter.get_state()  # where a checkpoint of update `step` resumes reading
+    next_batch = _next_batch(run) if step < run.last_step else None
+    return _Dispatched(device_metrics, data_state, next_batch)
+
+
+def _may_dispatch_ahead(run: Run, step: int, profiler, stop_pending: bool) -> bool:
+    """Whether update step + 1 may be dispatched before update `step`'s metrics are fetched: nothing is
+    due in between. Every input is the same on every process (stop_pending is an agreed stop)."""
+    config = run.config
+    probe_next = run.probe is not None and (step + 1) % config.diagnostics.every == 0
+    return (
+        config.dispatch_ahead
+        and not stop_pending
+        and step < run.last_step
+        and not evaluation.eval_due(config, step, run.last_step)
+        and not _checkpoint_due(config, step)
+        and not probe_next
+        and not profiler.changes_between(step, step + 1)
+    )
+
+
+def _checkpoint_due(config, step: int) -> bool:
+    return config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
 
 
 def _next_batch(run: Run) -> dict:
@@ -259,8 +308,7 @@ def _boundary(
         _evaluate(run, step, writer)
     reached = config.stop_at_target and run.meta["target_step"] == step
     stop = "preempted" if stop_requested else "reached" if reached else None
-    ckpt_due = config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
-    if ckpt_due or stop or step == run.last_step:
+    if _checkpoint_due(config, step) or stop or step == run.last_step:
         meta = dict(run.meta, guard=guard.state(), config=config.to_dict())
         checkpoint.save(run.manager, step, run.state, data_state, meta)
         timer.restart()
