@@ -1,7 +1,7 @@
 """Fused rotate+quantize(+fold) against the reference XLA path: effective TB/s and bit-equality, on GPU.
 
     PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
-        [--tiles mx-row=32x256x4,...] [--sweep | --column-parts 0,8,16,32] [--out FILE.md]
+        [--tiles mx-row=32x256x4,...] [--sweep | --access | --column-parts 0,8,16,32] [--out FILE.md]
 
 For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: contract B's E4M3 +
@@ -24,6 +24,7 @@ differently, so H16 rows may differ in a few elements; rows without rotation mus
 from __future__ import annotations
 
 import argparse
+import itertools
 import traceback
 
 import harness  # benchmarks/harness.py: timing, headings, output (this folder is on sys.path)
@@ -214,6 +215,59 @@ def sweep(m: int, k: int, iters: int) -> list[tuple]:
     return rows
 
 
+# --access: how the parts of a tile move through memory (fused_quantize_pallas.SPLIT_LOADS per kernel,
+# JOINED_STORES); the column layout's loads are contiguous whatever SPLIT_LOADS says.
+MEMORY_ACCESS = {
+    "strided": ({"mx": False, "one_pass": False}, False),
+    "joined stores": ({"mx": False, "one_pass": False}, True),
+    "split loads": ({"mx": True, "one_pass": True}, False),
+    "split + joined": ({"mx": True, "one_pass": True}, True),
+}
+
+
+def access_sweep(shapes, iters: int) -> list[tuple]:
+    """Every memory access x fold method of the Pallas kernels, per shape, rotation and layout (the inputs
+    of `run`), each checked bit for bit against the reference with the shared rotation; then restores."""
+    rows, defaults = [], (dict(kernels.SPLIT_LOADS), kernels.JOINED_STORES, dict(kernels.FOLD_METHOD))
+    for m, k in shapes:
+        keys = jax.random.split(jax.random.key(0), 3)
+        inputs = [
+            (jax.random.normal(kk, (m, k)) * jnp.exp(jax.random.normal(kk, (m, 1)))).astype(jnp.bfloat16)
+            for kk in keys
+        ]
+        seconds, ceiling = _copy_ceiling(inputs, iters)
+        rows.append((f"{m}x{k}", "-", "-", "-", "copy x*2", seconds * 1e6, ceiling, "", "", 1))
+        for (rot_name, rotation), (layout, axis) in itertools.product(
+            ROTATIONS.items(), (("row", -1), ("col", -2))
+        ):
+            methods = [("mx", "")] + [("fp8_fold", "via_mx")] + [("fp8_fold", "one_pass")] * (axis == -1)
+            for out, method in methods:
+                kernels.FOLD_METHOD[axis == -2] = method or defaults[2][axis == -2]
+                case = (inputs, m, k, rot_name, rotation, layout, axis, out, method, iters)
+                rows += _access_rows(*case)
+    kernels.SPLIT_LOADS, kernels.JOINED_STORES = defaults[0], defaults[1]
+    kernels.FOLD_METHOD.update(defaults[2])
+    fq._rotate_quantize.clear_cache()
+    return rows
+
+
+def _access_rows(inputs, m, k, rot_name, rotation, layout, axis, out, method, iters) -> list[tuple]:
+    rows = []
+    want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
+    for access, (split, joined) in MEMORY_ACCESS.items():
+        if axis == -2 and access.startswith("split"):
+            continue  # column tiles: the same kernels as without split loads
+        kernels.SPLIT_LOADS, kernels.JOINED_STORES = dict(split), joined
+        fq._rotate_quantize.clear_cache()  # read when the kernel is traced
+        seconds, tbs, same = _time_candidate(
+            _fused_fn(axis, rotation, out, "pallas"), inputs, want, m, k, out, iters
+        )
+        name = f"pallas {method + ', ' if method else ''}{access}"
+        rows.append((f"{m}x{k}", rot_name, layout, out, name, seconds * 1e6, tbs, same, "", 0))
+        print(f"{m}x{k} {rot_name:4s} {layout} {out:8s} {name:30s} {seconds * 1e6:9.1f} us", flush=True)
+    return rows
+
+
 def column_parts_sweep(m: int, k: int, iters: int, sizes: list[int]) -> list[tuple]:
     """Times the unrotated column-wise kernels (mx, and the fold through it) for each COLUMN_PARTS size
     (0: the whole tile transposed) and each candidate column tile, then restores the defaults."""
@@ -277,6 +331,11 @@ def main():
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument("--sweep", action="store_true", help="only time candidate Pallas tiles (first shape)")
     parser.add_argument(
+        "--access",
+        action="store_true",
+        help="only time the Pallas kernels' memory accesses and fold methods (every shape, both rotations)",
+    )
+    parser.add_argument(
         "--column-parts",
         default="",
         help="only time the unrotated column kernels for these COLUMN_PARTS sizes, e.g. 0,8,16,32 "
@@ -293,6 +352,8 @@ def main():
     if args.column_parts:
         sizes = [int(v) for v in args.column_parts.split(",")]
         rows = column_parts_sweep(*shapes[0], args.iters, sizes)
+    elif args.access:
+        rows = access_sweep(shapes, args.iters)
     else:
         rows = sweep(*shapes[0], args.iters) if args.sweep else run(shapes, args.iters, impls)
     tiles = ",".join(
@@ -302,6 +363,7 @@ def main():
     command = f"python benchmarks/bench_quantize.py --shapes {args.shapes} --iters {args.iters}"
     command += f" --impls {args.impls}"
     command += " --sweep" if args.sweep else ""
+    command += " --access" if args.access else ""
     command += f" --column-parts {args.column_parts}" if args.column_parts else ""
     command += f" --tiles {tiles}"
     harness.emit(to_markdown(rows, command), args.out)

@@ -116,8 +116,8 @@ def hadamard_parts(parts: list[jax.Array], sign_parts: list[jax.Array] | None = 
     The same butterfly, pair for pair and rounding for rounding, so the same bits: the signs first, then
     for h = 1, 2, 4, ... parts i and i + h of each group of 2h become a + b and a - b, then zeros made +0
     and the scale c. Every operation is elementwise between equally shaped parts, so a Triton kernel
-    that loads the parts with strided reads needs no reshape or cross-thread exchange for the rotation
-    (fused_quantize_pallas).
+    that holds the parts as separate tiles (read strided, or split from one contiguous read) needs no
+    cross-thread exchange for the rotation (fused_quantize_pallas).
     """
     size = len(parts)
     if sign_parts is not None:

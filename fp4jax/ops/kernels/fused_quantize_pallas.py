@@ -98,8 +98,9 @@ def _params(tile: Tile):
 # out="mx"
 
 
-# Whether the mx kernel rotates "by parts" (strided reads, fused_quantize.hadamard_parts) where it can,
-# instead of butterflies over reshaped tiles. The same bits either way; a switch for timing both.
+# Whether the mx kernel rotates "by parts" (fused_quantize.hadamard_parts; SPLIT_LOADS says how the parts
+# are read) where it can, instead of butterflies over reshaped tiles. The same bits either way; a switch
+# for timing both.
 ROTATE_BY_PARTS = True
 
 # Parts per run for an unrotated column-wise tile (0: read the tile whole and transpose it). Reading
