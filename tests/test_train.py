@@ -220,6 +220,20 @@ def test_dispatch_ahead_only_between_plain_updates_and_changes_no_number(
         assert checkpoint.make_manager(str(tmp_path / run), keep=3).all_steps() == [2, 4, 6]
 
 
+def test_stop_agreed_with_an_update_ahead_saves_that_update(tmp_path, token_cache, good_run, monkeypatch):
+    """The stop is agreed after update 1 while update 2 is already dispatched: the run finishes 2, saves
+    it and stops there, with 1 and 2 logged as in the full run."""
+    from fp4jax.training.preemption import StopSignals
+
+    monkeypatch.setattr(StopSignals, "agreed", lambda self, step: step == 1)
+    events = _dispatch_and_fetch_order(monkeypatch)
+    summary = train(tiny_config(token_cache, checkpoint_every_steps=0), str(tmp_path))
+    assert events == ["d1", "d2", "f1", "f2"]
+    assert (summary["status"], summary["steps"]) == ("preempted", 2)
+    assert checkpoint.make_manager(str(tmp_path), keep=3).all_steps() == [2]
+    assert compare(tmp_path) == compare(good_run)[:2]
+
+
 # -------------------------------------------------------------------------- probe and profiler switches
 
 

@@ -208,16 +208,17 @@ class _Dispatched:
 def _run_updates(run: Run, writer, guard, signals, profiler):
     """The loop. Returns (last update run, stop status or None, Divergence or None)."""
     timer = metrics.StepTimer()
-    batch, step, ahead, stop_pending = _next_batch(run), run.start_step, None, False
+    batch, step, stop_pending = _next_batch(run), run.start_step, False
+    ahead = None  # update `step`, when the previous iteration dispatched it ahead
     for step in range(run.start_step + 1, run.last_step + 1):
         probe_record = {}
         if ahead is None:
             profiler.before(step)
             probe_record = _maybe_probe(run, batch, step, timer)
             ahead = _dispatch(run, step, batch)
-        current, ahead = ahead, None
-        if _may_dispatch_ahead(run, step, profiler, stop_pending):
-            ahead = _dispatch(run, step + 1, current.next_batch)
+        current = ahead
+        may_go_ahead = _may_dispatch_ahead(run, step, profiler, stop_pending)
+        ahead = _dispatch(run, step + 1, current.next_batch) if may_go_ahead else None
         batch = current.next_batch
         record = _fetch(run, step, current.device_metrics, timer)
         profiler.after(step)
@@ -226,7 +227,7 @@ def _run_updates(run: Run, writer, guard, signals, profiler):
         if divergence is not None:
             return step, None, divergence  # an update dispatched ahead is discarded, never saved
         stop_pending = stop_pending or signals.agreed(step)
-        if ahead is not None:  # run.state is already update step + 1's: nothing of `step` is saved
+        if ahead is not None:  # run.state is already update step + 1's: nothing is due after `step`
             continue
         stop = _boundary(run, step, current.data_state, stop_pending, writer, guard, timer)
         if stop:
