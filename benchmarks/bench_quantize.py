@@ -158,18 +158,13 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls)
 
 
 # Candidate Pallas tiles for --sweep (the first is the default in fused_quantize_pallas.TILES); a fold
-# entry "via_mx" or "one_pass" times that fold method (fused_quantize_pallas.FOLD_METHOD) instead, and
-# "strided" / "split" time the default tile with parts moved by strided accesses / in registers
-# everywhere (fused_quantize_pallas.SPLIT_LOADS, JOINED_STORES).
+# entry "via_mx" or "one_pass" times that fold method (fused_quantize_pallas.FOLD_METHOD) instead, and a
+# tile a "two_pass" fold. --access times the kernels' memory accesses.
 SWEEP = {
-    ("mx", False): [(32, 256, 4), (64, 256, 8), (16, 512, 4), "strided"],
-    ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4), "strided"],  # also the column-parts sweep's
-    ("fp8_fold", False): ["one_pass", "via_mx", "split", "strided", (8, 512, 4), (4, 1024, 4)],
-    ("fp8_fold", True): ["via_mx", "strided", (16, 256, 8), (32, 128, 8)],
-}
-ACCESS = {
-    "strided": ({"mx": False, "one_pass": False}, False),
-    "split": ({"mx": True, "one_pass": True}, True),
+    ("mx", False): [(32, 256, 4), (64, 256, 8), (16, 512, 4)],
+    ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4)],  # also the column-parts sweep's
+    ("fp8_fold", False): ["one_pass", "via_mx", (8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4)],
+    ("fp8_fold", True): ["via_mx", (16, 256, 8), (32, 128, 8)],
 }
 
 
@@ -191,15 +186,10 @@ def sweep(m: int, k: int, iters: int) -> list[tuple]:
     for (out, column), candidates in SWEEP.items():
         axis, layout = (-2, "col") if column else (-1, "row")
         default_tile, default_method = kernels.TILES[out, column], kernels.FOLD_METHOD[column]
-        default_access = dict(kernels.SPLIT_LOADS), kernels.JOINED_STORES
         want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
         for candidate in candidates:
-            kernels.SPLIT_LOADS, kernels.JOINED_STORES = dict(default_access[0]), default_access[1]
             if candidate in ("via_mx", "one_pass"):
                 kernels.FOLD_METHOD[column], name = candidate, "pallas " + candidate
-            elif candidate in ACCESS:
-                kernels.SPLIT_LOADS, kernels.JOINED_STORES = ACCESS[candidate]
-                kernels.FOLD_METHOD[column], name = default_method, "pallas " + candidate
             else:
                 kernels.FOLD_METHOD[column] = "two_pass" if out == "fp8_fold" else default_method
                 kernels.TILES[out, column] = kernels.Tile(*candidate)
@@ -210,7 +200,6 @@ def sweep(m: int, k: int, iters: int) -> list[tuple]:
             rows.append((f"{m}x{k}", "H16", layout, out, name, seconds * 1e6, tbs, same, "", 0))
             print(f"sweep {m}x{k} {layout} {out:8s} {name:18s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s")
         kernels.TILES[out, column], kernels.FOLD_METHOD[column] = default_tile, default_method
-        kernels.SPLIT_LOADS, kernels.JOINED_STORES = default_access
         fq._rotate_quantize.clear_cache()
     return rows
 

@@ -127,7 +127,7 @@ def _parts(spec, rotation, column: bool) -> int:
 #   contiguous store, instead of one strided store per part.
 # On an H200 (2026-12-02, H16, 32768 x 8192, docs/performance.md) the row mx kernel took 329 us split and
 # joined against 420 strided, the column one 381 against 504 joined; the one-pass fold 516 us joined with
-# strided loads against 535 split (and 1,199 with neither). benchmarks/bench_quantize.py --sweep times them.
+# strided loads against 535 split (and 1,199 with neither). benchmarks/bench_quantize.py --access times them.
 SPLIT_LOADS = {"mx": True, "one_pass": False}
 JOINED_STORES = True
 
@@ -146,7 +146,7 @@ def _interleave(values: list[jax.Array]) -> jax.Array:
     every run. Built from two-way joins along a new last axis (all Triton's join offers): each round
     pairs the values whose index differs in the highest bit left, so that bit becomes the slowest of
     the new axes and the final reshape reads the runs in order."""
-    rows, runs = values[0].shape
+    rows = values[0].shape[0]
     while len(values) > 1:
         half = len(values) // 2
         values = [jnp.stack([values[r], values[r + half]], axis=-1) for r in range(half)]
