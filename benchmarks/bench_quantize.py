@@ -104,18 +104,27 @@ def _copy_ceiling(inputs, iters: int) -> tuple[float, float]:
     return seconds, 4 * inputs[0].size / seconds / 1e12
 
 
+def _activation_like(m: int, k: int) -> list[jax.Array]:
+    """Three bf16 (m, k) inputs with heavy tails, like activations: a normal times a log-normal per row."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    return [
+        (jax.random.normal(kk, (m, k)) * jnp.exp(jax.random.normal(kk, (m, 1)))).astype(jnp.bfloat16)
+        for kk in keys
+    ]
+
+
+def _copy_row(inputs, iters: int) -> tuple:
+    m, k = inputs[0].shape
+    seconds, ceiling = _copy_ceiling(inputs, iters)
+    print(f"{m}x{k} bf16: copy (x*2) {ceiling:.2f} TB/s", flush=True)
+    return (f"{m}x{k}", "-", "-", "-", "copy x*2", seconds * 1e6, ceiling, "", "", 1)
+
+
 def run(shapes, iters: int, impls: list[str]) -> list[tuple]:
     rows = []
     for m, k in shapes:
-        keys = jax.random.split(jax.random.key(0), 3)
-        # Heavy-ish tails, like activations: a normal times a log-normal per row.
-        inputs = [
-            (jax.random.normal(kk, (m, k)) * jnp.exp(jax.random.normal(kk, (m, 1)))).astype(jnp.bfloat16)
-            for kk in keys
-        ]
-        seconds, ceiling = _copy_ceiling(inputs, iters)
-        print(f"{m}x{k} bf16: copy (x*2) {ceiling:.2f} TB/s", flush=True)
-        rows.append((f"{m}x{k}", "-", "-", "-", "copy x*2", seconds * 1e6, ceiling, "", "", 1))
+        inputs = _activation_like(m, k)
+        rows.append(_copy_row(inputs, iters))
         for rot_name, rotation in ROTATIONS.items():
             for layout, axis in (("row", -1), ("col", -2)):
                 for out in fq.OUTPUTS:
@@ -219,13 +228,8 @@ def access_sweep(shapes, iters: int) -> list[tuple]:
     of `run`), each checked bit for bit against the reference with the shared rotation; then restores."""
     rows, defaults = [], (dict(kernels.SPLIT_LOADS), kernels.JOINED_STORES, dict(kernels.FOLD_METHOD))
     for m, k in shapes:
-        keys = jax.random.split(jax.random.key(0), 3)
-        inputs = [
-            (jax.random.normal(kk, (m, k)) * jnp.exp(jax.random.normal(kk, (m, 1)))).astype(jnp.bfloat16)
-            for kk in keys
-        ]
-        seconds, ceiling = _copy_ceiling(inputs, iters)
-        rows.append((f"{m}x{k}", "-", "-", "-", "copy x*2", seconds * 1e6, ceiling, "", "", 1))
+        inputs = _activation_like(m, k)
+        rows.append(_copy_row(inputs, iters))
         for (rot_name, rotation), (layout, axis) in itertools.product(
             ROTATIONS.items(), (("row", -1), ("col", -2))
         ):

@@ -276,23 +276,22 @@ def test_batch_dimensions_and_fold_flushes():
 )
 def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out, monkeypatch):
     """out is "mx", or the fold method ("two_pass", "via_mx" or "one_pass") of an fp8_fold output."""
+    spec = QuantSpec(kind="mx", elem=elem, scale_mode=scale_mode, rounding=rounding)
+    _check_pallas(axis, rotation, spec, out, seed=7, signs_seed=2, monkeypatch=monkeypatch)
+
+
+def _check_pallas(axis, rotation, spec, out, *, seed, signs_seed, monkeypatch):
+    """The Pallas kernels (interpret mode) against the reference on hard inputs; out is "mx" or the fold
+    method of an fp8_fold output."""
     from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 
     if out != "mx":
         monkeypatch.setitem(kernels.FOLD_METHOD, axis == -2, out)
-        fq._rotate_quantize.clear_cache()  # the method is read when the kernel is traced
-    x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=7))
-    signs = random_signs(jax.random.key(2), rotation.size) if rotation.kind == "random" else None
-    spec = QuantSpec(kind="mx", elem=elem, scale_mode=scale_mode, rounding=rounding)
-    _check(
-        x,
-        axis=axis,
-        spec=spec,
-        rotation=rotation,
-        out="mx" if out == "mx" else "fp8_fold",
-        impl="pallas",
-        signs=signs,
-    )
+    fq._rotate_quantize.clear_cache()  # methods and memory accesses are read when a kernel is traced
+    x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=seed))
+    signs = random_signs(jax.random.key(signs_seed), rotation.size) if rotation.kind == "random" else None
+    out_kind = "mx" if out == "mx" else "fp8_fold"
+    _check(x, axis=axis, spec=spec, rotation=rotation, out=out_kind, impl="pallas", signs=signs)
     fq._rotate_quantize.clear_cache()
 
 
@@ -338,22 +337,8 @@ def test_pallas_parts_by_any_memory_access_match_reference(axis, rotation, elem,
     split_loads, joined_stores = MEMORY_ACCESS[access]
     monkeypatch.setattr(kernels, "SPLIT_LOADS", split_loads)
     monkeypatch.setattr(kernels, "JOINED_STORES", joined_stores)
-    if out != "mx":
-        monkeypatch.setitem(kernels.FOLD_METHOD, axis == -2, out)
-    fq._rotate_quantize.clear_cache()
-    x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=11))
-    signs = random_signs(jax.random.key(4), rotation.size) if rotation.kind == "random" else None
     spec = QuantSpec(kind="mx", elem=elem, scale_mode="even")
-    _check(
-        x,
-        axis=axis,
-        spec=spec,
-        rotation=rotation,
-        out="mx" if out == "mx" else "fp8_fold",
-        impl="pallas",
-        signs=signs,
-    )
-    fq._rotate_quantize.clear_cache()
+    _check_pallas(axis, rotation, spec, out, seed=11, signs_seed=4, monkeypatch=monkeypatch)
 
 
 def test_interleave_puts_part_q_at_position_q_of_each_run():
