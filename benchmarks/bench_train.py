@@ -81,8 +81,8 @@ def to_markdown(rows, config, command: str, one_process: bool = False) -> str:
         harness.heading("Train step", f"{jax.device_count()} x {jax.devices()[0].device_kind}"),
         "",
         f"Model `{m.size}`, global batch {config.global_batch} x seq {config.seq_len}, remat "
-        f"`{m.remat or 'full'}`, blocks {'unrolled' if m.scan_layers is False else 'scanned'}. "
-        f"Command: `{command}`",
+        f"`{m.remat or 'full'}`, blocks {'unrolled' if m.scan_layers is False else 'scanned'}, "
+        f"updates {'dispatched ahead' if config.dispatch_ahead else 'in turn'}. Command: `{command}`",
         "",
         # In one process a row's peak is the high-water mark of every recipe so far (module docstring).
         f"| recipe | tokens/s | vs first row | MFU (bf16 peak) | step s | {peak_header} | last loss |",
