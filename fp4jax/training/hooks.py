@@ -46,20 +46,24 @@ class Profiler:
         self.active, self.done = False, self.count <= 0
 
     def before(self, step: int):
-        if not self.done and not self.active and step >= self.start:
+        if self._starts_before(step):
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.active, self.last = True, max(step, self.start) + self.count - 1
 
     def after(self, step: int):
-        if self.active and step >= self.last:
+        if self._stops_after(step):
             self.stop()
 
     def changes_between(self, step: int, next_step: int) -> bool:
         """Whether the trace stops after `step` or starts before `next_step` (so that an update dispatched
         ahead would straddle its edge)."""
-        stops = self.active and step >= self.last
-        starts = not self.done and not self.active and next_step >= self.start
-        return stops or starts
+        return self._stops_after(step) or self._starts_before(next_step)
+
+    def _starts_before(self, step: int) -> bool:
+        return not self.done and not self.active and step >= self.start
+
+    def _stops_after(self, step: int) -> bool:
+        return self.active and step >= self.last
 
     def stop(self):
         if self.active:

@@ -248,14 +248,13 @@ def _may_dispatch_ahead(run: Run, step: int, profiler, stop_pending: bool) -> bo
     """Whether update step + 1 may be dispatched before update `step`'s metrics are fetched: nothing is
     due in between. Every input is the same on every process (stop_pending is an agreed stop)."""
     config = run.config
-    probe_next = run.probe is not None and (step + 1) % config.diagnostics.every == 0
     return (
         config.dispatch_ahead
         and not stop_pending
         and step < run.last_step
         and not evaluation.eval_due(config, step, run.last_step)
         and not _checkpoint_due(config, step)
-        and not probe_next
+        and not _probe_due(run, step + 1)
         and not profiler.changes_between(step, step + 1)
     )
 
@@ -268,9 +267,12 @@ def _next_batch(run: Run) -> dict:
     return setup.device_batch(next(run.train_iter), run.mesh)
 
 
+def _probe_due(run: Run, step: int) -> bool:
+    return run.probe is not None and step % run.config.diagnostics.every == 0
+
+
 def _maybe_probe(run: Run, batch, step: int, timer) -> dict:
-    every = run.config.diagnostics.every
-    if run.probe is None or step % every:
+    if not _probe_due(run, step):
         return {}
     record = hooks.run_probe(run.probe, run.state, batch, run.quant_key, step)
     timer.exclude(record["diag_time_s"])
