@@ -39,7 +39,9 @@ def load_config(path: str, overrides: list[str]):
     return config
 
 
-def bench_recipe(config, recipe: str, steps: int, skip: int) -> dict:
+def train_records(config, recipe: str, steps: int) -> list[dict]:
+    """The training metrics lines of `steps` updates of `recipe` through the real trainer (evaluation,
+    checkpoints, progress bar and TensorBoard off), exactly as it logged them."""
     config = config.copy_and_resolve_references()
     config.recipe = recipe
     config.steps = steps
@@ -48,7 +50,11 @@ def bench_recipe(config, recipe: str, steps: int, skip: int) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         trainer.train(config, workdir)
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if "eval_loss" not in line]
+            return [json.loads(line) for line in f if "eval_loss" not in line]
+
+
+def bench_recipe(config, recipe: str, steps: int, skip: int) -> dict:
+    records = train_records(config, recipe, steps)
     timed = [r for r in records if r["step"] > skip]
     return {
         "recipe": recipe,
