@@ -12,8 +12,11 @@ that is not repeatable by itself (atomics, a race, a read of unwritten memory); 
 processes means choices made anew when each process compiles (GEMM algorithms picked by timing).
 
 Variants (XLA_FLAGS added for the children): `default` (nothing), `deterministic`
-(--xla_gpu_deterministic_ops=true: XLA's scatter-adds, as in the embedding gradient, without atomics)
-and `no_autotune` (that and --xla_gpu_autotune_level=0: XLA's default GEMM algorithms, none timed).
+(--xla_gpu_deterministic_ops=true: XLA's scatter-adds, as in the embedding gradient, without atomics),
+`no_autotune` (that and --xla_gpu_autotune_level=0: XLA's default GEMM algorithms, none timed) and
+`xla_quantizer` (FP4JAX_QUANTIZE_IMPL=xla: the XLA quantizer instead of the Pallas kernels).
+`--gemm MxKxN` instead calls one compiled forward + backward of each recipe's dot 5 times on the same
+inputs and says which outputs changed.
 """
 
 from __future__ import annotations
@@ -31,11 +34,20 @@ import harness
 
 from fp4jax.training import setup  # noqa: E402
 
+# Each variant's environment for the children: XLA_FLAGS are added to the caller's, the rest set.
 VARIANTS = {
-    "default": "",
-    "deterministic": "--xla_gpu_deterministic_ops=true",
-    "no_autotune": "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0",
+    "default": {},
+    "deterministic": {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true"},
+    "no_autotune": {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"},
+    "xla_quantizer": {"FP4JAX_QUANTIZE_IMPL": "xla"},
 }
+
+
+def variant_env(variant: str) -> dict:
+    env = {**os.environ, **VARIANTS[variant]}
+    if "XLA_FLAGS" in VARIANTS[variant]:
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {VARIANTS[variant]['XLA_FLAGS']}".strip()
+    return env
 
 
 def train_once(config, recipe: str, steps: int) -> dict:
@@ -50,10 +62,35 @@ def train_once(config, recipe: str, steps: int) -> dict:
     }
 
 
+def gemm_repeats(recipe: str, shape: tuple[int, int, int], calls: int) -> str:
+    """Whether `calls` calls of one compiled forward + backward of the recipe's dot (x [M, K] @ w [K, N],
+    bfloat16, a fixed cotangent) return the same bits each time: 'same' or which outputs differ."""
+    import jax
+    import jax.numpy as jnp
+
+    from fp4jax.ops import mx_dot
+
+    m, k, n = shape
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    dot = mx_dot.make_dot_general(recipe)
+
+    @jax.jit
+    def forward_backward(x, w, g):
+        y, pullback = jax.vjp(lambda x, w: dot(x, w, (((1,), (0,)), ((), ()))), x, w)
+        return (y, *pullback(g))
+
+    first, *rest = [jax.device_get(forward_backward(x, w, g)) for _ in range(calls)]
+    names = ("y", "dx", "dw")
+    differ = sorted({names[i] for out in rest for i in range(3) if not (out[i] == first[i]).all()})
+    return "same" if not differ else f"{', '.join(differ)} differ"
+
+
 def runs_in_child(args, overrides: list[str], recipe: str, variant: str) -> list[dict]:
-    """`--in-process` runs of `recipe` in a fresh process whose XLA_FLAGS carry the variant's flags."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {VARIANTS[variant]}".strip()
+    """`--in-process` runs of `recipe` in a fresh process with the variant's environment."""
+    env = variant_env(variant)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", args.config]
     cmd += ["--recipes", recipe, "--steps", str(args.steps), "--in-process", str(args.in_process), *overrides]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr passes through
@@ -63,21 +100,25 @@ def runs_in_child(args, overrides: list[str], recipe: str, variant: str) -> list
     return runs
 
 
-def first_difference(a: dict, b: dict) -> int | None:
-    """The first update (1-based) whose loss or gradient norm differs between two runs, or None."""
+def first_difference(a: dict, b: dict) -> tuple[int, str] | None:
+    """The first update (1-based) whose loss or gradient norm differs between two runs, and which of the
+    two ('loss' if both), or None. A loss that differs at update 1 means the forward pass itself did."""
     pairs_a = zip(a["loss"], a["grad_norm"], strict=True)
     pairs_b = zip(b["loss"], b["grad_norm"], strict=True)
     for update, (pair_a, pair_b) in enumerate(zip(pairs_a, pairs_b, strict=True), start=1):
         if pair_a != pair_b:
-            return update
+            return update, "loss" if pair_a[0] != pair_b[0] else "grad_norm"
     return None
 
 
 def describe(runs: list[dict]) -> str:
-    """'same', or 'differ from update N' (the earliest), for a group of runs against the group's first."""
+    """'same', or 'FIELD differs from update N' (the earliest), for a group of runs against its first."""
     firsts = [first_difference(runs[0], r) for r in runs[1:]]
     firsts = [f for f in firsts if f is not None]
-    return "same" if not firsts else f"differ from update {min(firsts)}"
+    if not firsts:
+        return "same"
+    update, field = min(firsts)
+    return f"{field} differs from update {update}"
 
 
 def row(recipe: str, variant: str, processes: list[list[dict]]) -> str:
@@ -89,26 +130,25 @@ def row(recipe: str, variant: str, processes: list[list[dict]]) -> str:
     return f"| {recipe} | {variant} | {'; '.join(within)} | {across} | {', '.join(finals)} | {spread:.2e} |"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--recipes", default="bf16,mxfp4_full_h16")
-    parser.add_argument("--variants", default="default,deterministic")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--in-process", type=int, default=2, help="runs in each process")
-    parser.add_argument("--child", action="store_true", help="(internal) run in this process, print JSON")
-    parser.add_argument("--out", default="")
-    args, overrides = parser.parse_known_args()
-    for variant in args.variants.split(","):
-        if variant not in VARIANTS:
-            raise SystemExit(f"error: unknown variant {variant!r}: use some of {', '.join(VARIANTS)}")
-    config = bench_train.load_config(args.config, overrides)
-    if args.child:
-        setup.apply_xla_options(config)  # as the trainer's command line does, before jax starts
-        for _ in range(args.in_process):
-            print(json.dumps(train_once(config, args.recipes, args.steps)), flush=True)
-        return
+def gemm_table(recipes: list[str], gemm: str) -> str:
+    import jax
+
+    m, k, n = shape = tuple(int(d) for d in gemm.split("x"))
+    device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    lines = [
+        harness.heading("Repeatability of one GEMM", device),
+        "",
+        f"Forward + backward of x [{m}, {k}] @ w [{k}, {n}], bfloat16, one compiled program called 5 times "
+        "on the same inputs. Command: "
+        f"`python benchmarks/probe_repeatability.py {' '.join(sys.argv[1:])}`",
+        "",
+        "| recipe | outputs over 5 calls |",
+        "|---|---|",
+    ]
+    return "\n".join(lines + [f"| {r} | {gemm_repeats(r, shape, calls=5)} |" for r in recipes]) + "\n"
+
+
+def runs_table(args, overrides: list[str], config) -> str:
     # The children hold the device (jax here would take its memory first); their runs name it.
     table = []
     for recipe in args.recipes.split(","):
@@ -127,7 +167,34 @@ def main():
         "|---|---|---|---|---|---:|",
         *table,
     ]
-    harness.emit("\n".join(lines) + "\n", args.out)
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--recipes", default="bf16,mxfp4_full_h16")
+    parser.add_argument("--variants", default="default,deterministic")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--in-process", type=int, default=2, help="runs in each process")
+    parser.add_argument("--gemm", default="", help="MxKxN: one GEMM's forward+backward instead of training")
+    parser.add_argument("--child", action="store_true", help="(internal) run in this process, print JSON")
+    parser.add_argument("--out", default="")
+    args, overrides = parser.parse_known_args()
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            raise SystemExit(f"error: unknown variant {variant!r}: use some of {', '.join(VARIANTS)}")
+    config = bench_train.load_config(args.config, overrides)
+    if args.child:
+        setup.apply_xla_options(config)  # as the trainer's command line does, before jax starts
+        for _ in range(args.in_process):
+            print(json.dumps(train_once(config, args.recipes, args.steps)), flush=True)
+        return
+    if args.gemm:
+        harness.emit(gemm_table(args.recipes.split(","), args.gemm), args.out)
+    else:
+        harness.emit(runs_table(args, overrides, config), args.out)
 
 
 if __name__ == "__main__":
