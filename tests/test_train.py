@@ -296,23 +296,56 @@ def test_xla_options_turn_triton_gemms_off_before_jax_starts(monkeypatch):
     config = tiny_config("unused")
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
     monkeypatch.setattr(setup, "_backends_started", lambda: False)
-    assert setup.apply_xla_options(config) == "XLA_FLAGS += --xla_gpu_enable_triton_gemm=false"
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=false"
-    config.xla_gpu_triton_gemm = True
+    wanted = "--xla_gpu_enable_triton_gemm=false --xla_gpu_deterministic_ops=false"
+    assert setup.apply_xla_options(config) == f"XLA_FLAGS += {wanted}"
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/d {wanted}"
+    config.xla_gpu_triton_gemm = config.xla_gpu_deterministic_ops = True
     monkeypatch.setenv("XLA_FLAGS", "")
     setup.apply_xla_options(config)
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true --xla_gpu_deterministic_ops=true"
 
 
 def test_xla_options_leave_the_users_flag_and_a_started_jax_alone(monkeypatch):
     config = tiny_config("unused")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     monkeypatch.setattr(setup, "_backends_started", lambda: False)
-    assert "already sets" in setup.apply_xla_options(config)
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true"
+    said = setup.apply_xla_options(config)
+    assert said == (
+        "XLA_FLAGS already sets --xla_gpu_enable_triton_gemm; XLA_FLAGS += --xla_gpu_deterministic_ops=false"
+    )
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=true --xla_gpu_deterministic_ops=false"
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setattr(setup, "_backends_started", lambda: True)
     assert "not applied" in setup.apply_xla_options(config)
     assert os.environ["XLA_FLAGS"] == ""
     monkeypatch.undo()
     assert setup._backends_started()  # this test process has started jax: the real check says so
+
+
+@pytest.mark.parametrize(
+    "xla_flags, from_config, expected",
+    [
+        ("", False, False),
+        ("", True, True),
+        ("--xla_gpu_deterministic_ops=true", False, True),
+        ("--xla_gpu_deterministic_ops", False, True),  # a bare boolean flag is true
+        ("--xla_gpu_deterministic_ops=false", True, False),  # the user's XLA_FLAGS win over the config
+        ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=0", False, False),  # the last counts
+        ("--xla_gpu_deterministic_ops_other=true", False, False),  # another flag's name
+    ],
+)
+def test_deterministic_ops_read_from_xla_flags_first(monkeypatch, xla_flags, from_config, expected):
+    config = tiny_config("unused")
+    config.xla_gpu_deterministic_ops = from_config
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    assert setup.deterministic_ops(config) is expected
+
+
+@pytest.mark.parametrize("attention, expected", [(None, "xla"), ("auto", "xla"), ("cudnn", "cudnn")])
+def test_deterministic_runs_take_xlas_attention_unless_told_otherwise(monkeypatch, attention, expected):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    config = tiny_config("unused")
+    config.model.attention = attention
+    assert setup.resolve_config(config).model.attention == attention  # off: as configured
+    config.xla_gpu_deterministic_ops = True
+    assert setup.resolve_config(config).model.attention == expected

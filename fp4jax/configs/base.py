@@ -129,4 +129,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.diagnostics = ml_collections.ConfigDict({"every": 0})
     c.profile = ml_collections.ConfigDict({"start_step": 0, "num_steps": 0})
     c.xla_gpu_triton_gemm = False  # XLA's Triton GEMM fusions; off keeps the FP8 GEMMs on cuBLASLt (setup.py)
+    c.xla_gpu_deterministic_ops = False  # bit-repeatable GPU updates: no atomics, XLA attention (setup.py)
     return c

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import tempfile
 
 import jax
@@ -60,27 +61,52 @@ def initialize_distributed():
         )
 
 
-# XLA's Triton GEMM fusions take a dot together with the elementwise ops producing its operands. The
-# per-tensor FP8 GEMMs write bfloat16 with their scale in cuBLASLt's epilogue only through a dequantized-
-# operand spelling (backends.fp8_scaled_matmul) that such a fusion takes away from cuBLASLt's FP8 GEMM; the
-# library then keeps their float32 output (same numbers, slower). Off, the fp8 recipes' 1B step ran 6.7 %
-# faster on an H200, bf16 and mxfp4_full_h16 unchanged (docs/performance.md). Set before jax starts its
-# backends: XLA reads XLA_FLAGS once.
-TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
+# The XLA options a config sets, each a boolean config key and the XLA flag it writes. Set before jax
+# starts its backends: XLA reads XLA_FLAGS once.
+#
+# xla_gpu_triton_gemm: XLA's Triton GEMM fusions take a dot together with the elementwise ops producing
+# its operands. The per-tensor FP8 GEMMs write bfloat16 with their scale in cuBLASLt's epilogue only
+# through a dequantized-operand spelling (backends.fp8_scaled_matmul) that such a fusion takes away from
+# cuBLASLt's FP8 GEMM; the library then keeps their float32 output (same numbers, slower). Off, the fp8
+# recipes' 1B step ran 6.7 % faster on an H200, bf16 and mxfp4_full_h16 unchanged (docs/performance.md).
+#
+# xla_gpu_deterministic_ops: without it XLA's GPU programs sum some gradients with atomics (scatter-adds,
+# as in the embedding gradient), so the same update twice differs in its last bits, and MXFP4's rounding
+# makes that visible in the loss (benchmarks/probe_repeatability.py; docs/training.md, Repeatability).
+XLA_OPTIONS = {
+    "xla_gpu_triton_gemm": "--xla_gpu_enable_triton_gemm",
+    "xla_gpu_deterministic_ops": "--xla_gpu_deterministic_ops",
+}
+TRITON_GEMM_FLAG = XLA_OPTIONS["xla_gpu_triton_gemm"]
+DETERMINISTIC_FLAG = XLA_OPTIONS["xla_gpu_deterministic_ops"]
 
 
 def apply_xla_options(config: ml_collections.ConfigDict) -> str:
-    """Adds what `config.xla_gpu_triton_gemm` asks for to XLA_FLAGS, unless XLA_FLAGS already says it (the
-    user's setting wins). Returns what it did, in words. Only takes effect in a process whose jax backends
-    have not started yet (the command line's case); later it changes nothing and says so."""
+    """Adds each of `XLA_OPTIONS`' flags with its config value to XLA_FLAGS, except a flag XLA_FLAGS already
+    names (the user's setting wins). Returns what it did, in words. Only takes effect in a process whose
+    jax backends have not started yet (the command line's case); later it changes nothing and says so."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if TRITON_GEMM_FLAG in flags:
-        return f"XLA_FLAGS already sets {TRITON_GEMM_FLAG}"
-    wanted = f"{TRITON_GEMM_FLAG}={str(bool(config.xla_gpu_triton_gemm)).lower()}"
-    if _backends_started():
-        return f"jax already started: {wanted} not applied (set it in XLA_FLAGS before jax starts)"
-    os.environ["XLA_FLAGS"] = f"{flags} {wanted}".strip()
-    return f"XLA_FLAGS += {wanted}"
+    done, wanted = [], []
+    for key, flag in XLA_OPTIONS.items():
+        if flag in flags:
+            done.append(f"XLA_FLAGS already sets {flag}")
+        else:
+            wanted.append(f"{flag}={str(bool(config[key])).lower()}")
+    if wanted and _backends_started():
+        done.append(f"jax already started: {' '.join(wanted)} not applied (set XLA_FLAGS before jax starts)")
+    elif wanted:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *wanted]).strip()
+        done.append(f"XLA_FLAGS += {' '.join(wanted)}")
+    return "; ".join(done)
+
+
+def deterministic_ops(config: ml_collections.ConfigDict) -> bool:
+    """Whether this run asks for XLA's deterministic GPU ops: in XLA_FLAGS if it names the flag (the user's
+    setting wins, as in apply_xla_options), else config.xla_gpu_deterministic_ops."""
+    named = re.findall(rf"{DETERMINISTIC_FLAG}(?![\w-])(?:=(\S*))?", os.environ.get("XLA_FLAGS", ""))
+    if named:
+        return named[-1].lower() in ("", "true", "1")  # a bare boolean flag means true; the last one counts
+    return bool(config.xla_gpu_deterministic_ops)
 
 
 def _backends_started() -> bool:
@@ -106,6 +132,10 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         raise ConfigError("divergence.window must be >= 1 and divergence.spike_nats >= 0 (0 = no spike rule)")
     with config_values():
         get_recipe(config.recipe)  # unknown preset: the message lists the presets
+    if deterministic_ops(config) and config.model.get("attention") in (None, "auto"):
+        # XLA's attention is repeatable under the flag (measured); XLA failed to compile cuDNN flash
+        # attention with it in the 125M step (jax 0.11.2, docs/training.md), so "auto" takes XLA's.
+        config.model.attention = "xla"
     return config
 
 
