@@ -15,8 +15,8 @@ Variants (XLA_FLAGS added for the children): `default` (nothing), `deterministic
 (--xla_gpu_deterministic_ops=true: XLA's scatter-adds, as in the embedding gradient, without atomics),
 `no_autotune` (that and --xla_gpu_autotune_level=0: XLA's default GEMM algorithms, none timed) and
 `xla_quantizer` (FP4JAX_QUANTIZE_IMPL=xla: the XLA quantizer instead of the Pallas kernels).
-`--gemm MxKxN` instead calls one compiled forward + backward of each recipe's dot 5 times on the same
-inputs and says which outputs changed.
+`--gemm MxKxN` instead calls one compiled forward + backward of each recipe's dot GEMM_CALLS times on the
+same inputs and says which outputs changed.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ VARIANTS = {
     "no_autotune": {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"},
     "xla_quantizer": {"FP4JAX_QUANTIZE_IMPL": "xla"},
 }
+GEMM_CALLS = 5  # calls of one compiled GEMM forward + backward in --gemm mode
 
 
 def variant_env(variant: str) -> dict:
@@ -138,14 +139,14 @@ def gemm_table(recipes: list[str], gemm: str) -> str:
     lines = [
         harness.heading("Repeatability of one GEMM", device),
         "",
-        f"Forward + backward of x [{m}, {k}] @ w [{k}, {n}], bfloat16, one compiled program called 5 times "
-        "on the same inputs. Command: "
+        f"Forward + backward of x [{m}, {k}] @ w [{k}, {n}], bfloat16, one compiled program called "
+        f"{GEMM_CALLS} times on the same inputs. Command: "
         f"`python benchmarks/probe_repeatability.py {' '.join(sys.argv[1:])}`",
         "",
-        "| recipe | outputs over 5 calls |",
+        f"| recipe | outputs over {GEMM_CALLS} calls |",
         "|---|---|",
     ]
-    return "\n".join(lines + [f"| {r} | {gemm_repeats(r, shape, calls=5)} |" for r in recipes]) + "\n"
+    return "\n".join(lines + [f"| {r} | {gemm_repeats(r, shape, GEMM_CALLS)} |" for r in recipes]) + "\n"
 
 
 def runs_table(args, overrides: list[str], config) -> str:

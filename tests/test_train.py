@@ -318,6 +318,10 @@ def test_xla_options_leave_the_users_flag_and_a_started_jax_alone(monkeypatch):
     monkeypatch.setattr(setup, "_backends_started", lambda: True)
     assert "not applied" in setup.apply_xla_options(config)
     assert os.environ["XLA_FLAGS"] == ""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any_type=true")  # another flag, same prefix
+    monkeypatch.setattr(setup, "_backends_started", lambda: False)
+    assert "already sets" not in setup.apply_xla_options(config)
+    assert "--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"]
     monkeypatch.undo()
     assert setup._backends_started()  # this test process has started jax: the real check says so
 

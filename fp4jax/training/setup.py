@@ -77,8 +77,12 @@ XLA_OPTIONS = {
     "xla_gpu_triton_gemm": "--xla_gpu_enable_triton_gemm",
     "xla_gpu_deterministic_ops": "--xla_gpu_deterministic_ops",
 }
-TRITON_GEMM_FLAG = XLA_OPTIONS["xla_gpu_triton_gemm"]
-DETERMINISTIC_FLAG = XLA_OPTIONS["xla_gpu_deterministic_ops"]
+
+
+def xla_flag_values(flag: str) -> list[str]:
+    """The values XLA_FLAGS gives `flag`, in order ('' for a bare boolean flag); [] if it is not named.
+    A longer flag that starts with the same name (`--xla_foo_bar` for `--xla_foo`) does not count."""
+    return re.findall(rf"{re.escape(flag)}(?![\w-])(?:=(\S*))?", os.environ.get("XLA_FLAGS", ""))
 
 
 def apply_xla_options(config: ml_collections.ConfigDict) -> str:
@@ -88,7 +92,7 @@ def apply_xla_options(config: ml_collections.ConfigDict) -> str:
     flags = os.environ.get("XLA_FLAGS", "")
     done, wanted = [], []
     for key, flag in XLA_OPTIONS.items():
-        if flag in flags:
+        if xla_flag_values(flag):
             done.append(f"XLA_FLAGS already sets {flag}")
         else:
             wanted.append(f"{flag}={str(bool(config[key])).lower()}")
@@ -103,7 +107,7 @@ def apply_xla_options(config: ml_collections.ConfigDict) -> str:
 def deterministic_ops(config: ml_collections.ConfigDict) -> bool:
     """Whether this run asks for XLA's deterministic GPU ops: in XLA_FLAGS if it names the flag (the user's
     setting wins, as in apply_xla_options), else config.xla_gpu_deterministic_ops."""
-    named = re.findall(rf"{DETERMINISTIC_FLAG}(?![\w-])(?:=(\S*))?", os.environ.get("XLA_FLAGS", ""))
+    named = xla_flag_values(XLA_OPTIONS["xla_gpu_deterministic_ops"])
     if named:
         return named[-1].lower() in ("", "true", "1")  # a bare boolean flag means true; the last one counts
     return bool(config.xla_gpu_deterministic_ops)
