@@ -4,7 +4,8 @@ CPU lane (the default, what CI runs): 8 fake CPU devices, so sharding is exercis
 GPU lane (`JAX_PLATFORMS=cuda,cpu` or `rocm,cpu`): the real devices as they are; XLA's GPU ops are made
 deterministic (scatter-adds otherwise use atomics, so the same run twice could differ in its last bits)
 and memory is allocated on demand, so that subprocesses a test starts can have some too.
-Both lanes: a persistent XLA compilation cache for the session (below).
+Both lanes: the trainer's XLA options in this process too, and a persistent XLA compilation cache for the
+session (below).
 
 Everything here must be set before jax initialises its backends, hence at import time of conftest.
 """
@@ -51,6 +52,16 @@ if _ON_CPU:
 else:
     _add_xla_flag("xla_gpu_deterministic_ops", "true")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# Runs trained in this process compile as the command line's do. The trainer writes its XLA options (the
+# Triton GEMM fusions off, setup.XLA_OPTIONS) into XLA_FLAGS only where jax has not started yet: in a
+# test's `python -m fp4jax.train` subprocess, never in pytest's process. Without this, tests that compare a
+# subprocess's run with an in-process one bit for bit (test_faults' SIGINT run) compared two programs on a
+# GPU, whose GEMMs differed. The flags set above win; the subprocesses inherit the result.
+from fp4jax.configs import base as _base_config  # noqa: E402  (imports jax; starts no backend)
+from fp4jax.training import setup as _setup  # noqa: E402
+
+_setup.apply_xla_options(_base_config.get_config())
 
 # Identical programs compile once per test session: many tests build the same tiny trainer (some in
 # subprocesses, which inherit the variable). A fresh directory each session, so that a clean clone's run is
