@@ -38,7 +38,6 @@ Delayed FP8 scaling is measured with current scaling (the probe has no amax hist
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import flax.linen as nn
@@ -47,6 +46,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from fp4jax import xla_flags
 from fp4jax.models.llama import Llama, LlamaConfig, block_segments, unstack_layer_params
 from fp4jax.ops import quantize
 from fp4jax.ops.flax_adapters import QuantDotGeneral
@@ -115,7 +115,7 @@ def _capture_attention(option: str) -> str:
     ::at`; either change alone compiles: benchmarks/gpu_repro_diagnostics.py). The capture measures the
     GEMMs, whose operands XLA's attention changes only by rounding, so it takes XLA's attention there.
     """
-    deterministic = "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "").lower()
+    deterministic = xla_flags.boolean("--xla_gpu_deterministic_ops") is True
     return "xla" if deterministic and option in ("auto", "cudnn") else option
 
 

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import re
 import tempfile
 
 import jax
@@ -17,6 +16,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from fp4jax import xla_flags
 from fp4jax.data import DataError, load_tokenizer
 from fp4jax.models.llama import Llama, llama_config, padded_vocab_size
 from fp4jax.models.sharding import (
@@ -79,12 +79,6 @@ XLA_OPTIONS = {
 }
 
 
-def xla_flag_values(flag: str) -> list[str]:
-    """The values XLA_FLAGS gives `flag`, in order ('' for a bare boolean flag); [] if it is not named.
-    A longer flag that starts with the same name (`--xla_foo_bar` for `--xla_foo`) does not count."""
-    return re.findall(rf"{re.escape(flag)}(?![\w-])(?:=(\S*))?", os.environ.get("XLA_FLAGS", ""))
-
-
 def apply_xla_options(config: ml_collections.ConfigDict) -> str:
     """Adds each of `XLA_OPTIONS`' flags with its config value to XLA_FLAGS, except a flag XLA_FLAGS already
     names (the user's setting wins). Returns what it did, in words. Only takes effect in a process whose
@@ -92,7 +86,7 @@ def apply_xla_options(config: ml_collections.ConfigDict) -> str:
     flags = os.environ.get("XLA_FLAGS", "")
     done, wanted = [], []
     for key, flag in XLA_OPTIONS.items():
-        if xla_flag_values(flag):
+        if xla_flags.values(flag):
             done.append(f"XLA_FLAGS already sets {flag}")
         else:
             wanted.append(f"{flag}={str(bool(config[key])).lower()}")
@@ -107,10 +101,8 @@ def apply_xla_options(config: ml_collections.ConfigDict) -> str:
 def deterministic_ops(config: ml_collections.ConfigDict) -> bool:
     """Whether this run asks for XLA's deterministic GPU ops: in XLA_FLAGS if it names the flag (the user's
     setting wins, as in apply_xla_options), else config.xla_gpu_deterministic_ops."""
-    named = xla_flag_values(XLA_OPTIONS["xla_gpu_deterministic_ops"])
-    if named:
-        return named[-1].lower() in ("", "true", "1")  # a bare boolean flag means true; the last one counts
-    return bool(config.xla_gpu_deterministic_ops)
+    named = xla_flags.boolean(XLA_OPTIONS["xla_gpu_deterministic_ops"])
+    return bool(config.xla_gpu_deterministic_ops) if named is None else named
 
 
 def _backends_started() -> bool:
@@ -136,7 +128,8 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         raise ConfigError("divergence.window must be >= 1 and divergence.spike_nats >= 0 (0 = no spike rule)")
     with config_values():
         get_recipe(config.recipe)  # unknown preset: the message lists the presets
-    if deterministic_ops(config) and config.model.get("attention") in (None, "auto"):
+        deterministic = deterministic_ops(config)  # a flag value XLA cannot read: one line naming it
+    if deterministic and config.model.get("attention") in (None, "auto"):
         # XLA's attention is repeatable under the flag (measured); XLA failed to compile cuDNN flash
         # attention with it in the 125M step (jax 0.11.2, docs/training.md), so "auto" takes XLA's.
         config.model.attention = "xla"
