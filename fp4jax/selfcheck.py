@@ -68,7 +68,7 @@ def available_backends(desc: backends.DeviceDescription) -> list[str]:
     if desc.vendor == "cpu" or major >= 9 or desc.arch in ("gfx942", "gfx950"):
         found.append("fp8")
     native_hw = desc.vendor == "cpu" or major >= 10 or desc.arch == "gfx950"
-    if native_hw and backends.has_scaled_dot():
+    if native_hw and backends.scaled_dot_compile_error() is None:
         found.append("native")
     return found
 

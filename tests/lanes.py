@@ -67,3 +67,14 @@ def mesh_2d(axis_names=("data", "model"), limit: int = 8) -> jax.sharding.Mesh:
     n = len(devices)
     shape = (2, n // 2) if n % 2 == 0 else (1, n)
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape), axis_names)
+
+
+def skip_unless_native_gemms_compile() -> None:
+    """Skips a test of the native back end where this process cannot compile jax.lax.scaled_dot: on the
+    GPU lane of an H200, whose Triton GEMMs are off as in the trainer. There
+    test_backends.py::test_native_tests_with_triton_gemms runs it in a process with them on."""
+    import pytest
+
+    error = backends.scaled_dot_compile_error()
+    if error:
+        pytest.skip(f"native GEMMs do not compile here (test_native_tests_with_triton_gemms): {error}")

@@ -9,6 +9,7 @@ import types
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+import lanes
 import numpy as np
 import pytest
 
@@ -166,8 +167,7 @@ def _mx(shape, seed=0, block=32, elem="e2m1"):
 def test_native_shape_rule_and_fallback(a_shape, c_shape, block, fits):
     a, c = _mx(a_shape, 1, block), _mx(c_shape, 2, block)
     assert backends.native_supports(a, c) == fits
-    if not backends.has_scaled_dot():
-        pytest.skip("this jax has no jax.lax.scaled_dot")
+    lanes.skip_unless_native_gemms_compile()
     jaxpr = str(jax.make_jaxpr(lambda x, y: backends.matmul(x, y, backend="native"))(a, c))
     assert ("scaled_dot" in jaxpr) == fits
     got = np.asarray(matmul_jit(a, c, backend="native"))
@@ -176,6 +176,88 @@ def test_native_shape_rule_and_fallback(a_shape, c_shape, block, fits):
         np.testing.assert_array_equal(got, want)
     else:  # MX matrix cores / library GEMMs: reduced-precision partial sums
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_scaled_dot_probe_says_whether_native_gemms_compile():
+    """The probe's answer is this process's: a native GEMM of a fitting shape compiles exactly when the
+    probe found no error (on the CPU lane always; on an H200 only with XLA's Triton GEMMs on)."""
+    if not backends.has_scaled_dot():
+        pytest.skip("this jax has no jax.lax.scaled_dot")
+    error = backends.scaled_dot_compile_error()
+    a, c = _mx((1, 32, 256), 1), _mx((1, 48, 256), 2)
+    try:
+        jax.jit(backends._native).lower(a, c).compile()
+        compiled = True
+    except Exception:  # noqa: BLE001 - the probe's own rule
+        compiled = False
+    assert compiled == (error is None), error
+
+
+@pytest.fixture
+def failing_scaled_dot(monkeypatch):
+    """scaled-dot as XLA on an H200 with Triton GEMMs off: compiling it fails (probe caches cleared)."""
+
+    def refuse(*args):
+        raise RuntimeError("INTERNAL: Unsupported instruction opcode: scaled-dot\nthe rest of XLA's message")
+
+    backends.scaled_dot_compile_error.cache_clear()
+    backends._auto_choice.cache_clear()
+    monkeypatch.setattr(backends, "_scaled_dot", refuse)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    yield monkeypatch
+    backends.scaled_dot_compile_error.cache_clear()
+    backends._auto_choice.cache_clear()
+
+
+def test_native_that_cannot_compile_is_one_line_naming_the_triton_flag(failing_scaled_dot):
+    if not backends.has_scaled_dot():
+        pytest.skip("this jax has no jax.lax.scaled_dot")
+    error = backends.scaled_dot_compile_error()
+    assert error.startswith("INTERNAL: Unsupported instruction opcode: scaled-dot (XLA_FLAGS has")
+    assert "--config.xla_gpu_triton_gemm=True" in error and "\n" not in error
+    with pytest.raises(
+        ValueError, match=r"native' \(backend\): XLA cannot compile jax.lax.scaled_dot"
+    ) as info:
+        backends.resolve_backend("native")
+    assert "\n" not in str(info.value) and "use backend='fp8' or 'emulate'" in str(info.value)
+    failing_scaled_dot.setenv("XLA_FLAGS", "")
+    assert "Triton" not in backends.scaled_dot_compile_error.__wrapped__()  # the hint only where it applies
+
+
+@pytest.mark.parametrize(
+    "device", [_device("gpu", "NVIDIA B200", "10.0"), _device("rocm", "AMD Instinct MI355X")]
+)
+def test_auto_takes_fp8_where_scaled_dot_does_not_compile(failing_scaled_dot, device):
+    choice = backends.choose_backend(backends.describe_device(device))
+    assert choice.backend == "fp8" and choice.fp8_dtype == E4M3
+    assert (
+        "native MX GEMMs unavailable: INTERNAL: Unsupported instruction opcode: scaled-dot" in choice.reason
+    )
+    failing_scaled_dot.setattr(jax, "devices", lambda *a: [device])
+    assert backends.resolve_backend("auto") == "fp8"
+
+
+@pytest.mark.skipif(
+    not ON_NVIDIA or backends.scaled_dot_compile_error() is None,
+    reason="needs an NVIDIA GPU where scaled-dot does not compile in this process (Triton GEMMs off)",
+)
+def test_native_tests_with_triton_gemms():
+    """Runs the native GEMM tests in a process with XLA's Triton GEMMs on, through which XLA emits
+    scaled-dot on an H200 (the lane turns them off, as the trainer does)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {backends.TRITON_GEMM_FLAG}=true".strip()
+    env = {**os.environ, "XLA_FLAGS": flags}
+    selected = "native_shape_rule or probe_says or (backends_equal_emulate and native)"
+    options = ["-o", "addopts=", "-q", "-p", "no:cacheprovider", "-k", selected]
+    files = [__file__, os.path.join(os.path.dirname(__file__), "test_mx_dot.py")]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", *options, *files],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "10 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 def test_native_takes_mxfp8_but_not_mixed_blocks():

@@ -27,6 +27,7 @@ from fp4jax.models.sharding import (
     make_mesh,
 )
 from fp4jax.ops import get_recipe
+from fp4jax.ops.kernels import backends
 from fp4jax.ops.recipes import resolve_recipe
 from fp4jax.training.errors import ConfigError, WorkdirError
 from fp4jax.training.optimizer import make_optimizer, mlperf_lr
@@ -211,6 +212,8 @@ def build_model(config, tokenizer):
     if model_cfg.max_seq_len < config.seq_len:
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=config.seq_len)
     recipe = resolve_recipe(config.recipe, config.get("fp8_scaling", "preset"))  # FP8 stages: one scaling
+    with config_values(f"recipe {config.recipe}: "):
+        backends.resolve_backend(recipe.backend)  # here, not while the step is traced: a one-line error
     return Llama(model_cfg, recipe=recipe), model_cfg
 
 

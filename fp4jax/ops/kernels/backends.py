@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax import xla_flags
 from fp4jax.ops.kernels import fold
 from fp4jax.ops.quantize import FP8Array, MXArray
 
@@ -101,19 +102,61 @@ def has_scaled_dot() -> bool:
     return hasattr(jax.lax, "scaled_dot")
 
 
+TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
+
+
+@functools.cache
+def scaled_dot_compile_error() -> str | None:
+    """Run-time check, once per process: None when XLA compiles a small MXFP4 `jax.lax.scaled_dot` for the
+    default device, else why not, in one line.
+
+    XLA's flags are fixed per process, and they decide it: on an H200 (jax 0.11.2) XLA emits scaled-dot
+    through its Triton GEMMs, so with Triton GEMMs off (the trainer's default, training/setup.py) it
+    fails with "Unsupported instruction opcode: scaled-dot". Compiles from shapes alone, so it may run
+    while a caller is being traced.
+    """
+    if not has_scaled_dot():
+        return f"jax {jax.__version__} has no jax.lax.scaled_dot"
+    blocks = NATIVE_K_MULTIPLE // NATIVE_BLOCK_SIZE
+    operands = [
+        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE), jnp.float4_e2m1fn),
+        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE), jnp.float4_e2m1fn),
+        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, blocks), jnp.float8_e8m0fnu),
+        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, blocks), jnp.float8_e8m0fnu),
+    ]
+    try:
+        jax.jit(_scaled_dot).lower(*operands).compile()
+    except Exception as exc:  # noqa: BLE001 - whatever stops the compile stops every native GEMM too
+        error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if xla_flags.boolean(TRITON_GEMM_FLAG) is False:
+            error += (
+                f" (XLA_FLAGS has {TRITON_GEMM_FLAG}=false, and on an H200 XLA compiles scaled-dot only "
+                "through its Triton GEMMs: train with --config.xla_gpu_triton_gemm=True)"
+            )
+        return error
+    return None
+
+
 def choose_backend(desc: DeviceDescription, *, scaled_dot: bool | None = None) -> BackendChoice:
-    """The dispatch table. gfx950 and compute capability >= 10: native MX GEMMs (fp8 if this jax has no
-    scaled_dot); gfx942 (MI300): fp8 with float8_e4m3fnuz; compute capability 9.x (Hopper): fp8; else
-    emulate."""
-    scaled_dot = has_scaled_dot() if scaled_dot is None else scaled_dot
+    """The dispatch table. gfx950 and compute capability >= 10: native MX GEMMs where this process can
+    compile jax.lax.scaled_dot (`scaled_dot_compile_error`; `scaled_dot` answers for it in tests), else
+    fp8; gfx942 (MI300): fp8 with float8_e4m3fnuz; compute capability 9.x (Hopper): fp8; else emulate."""
+
+    def native_or_fp8(where: str, cores: str) -> BackendChoice:
+        if scaled_dot is None:
+            error = scaled_dot_compile_error()  # compiled only where the table would pick native
+        else:
+            error = None if scaled_dot else "no jax.lax.scaled_dot"
+        if error is None:
+            return BackendChoice("native", ocp, f"{where}: {cores} via jax.lax.scaled_dot")
+        return BackendChoice("fp8", ocp, f"{where}; native MX GEMMs unavailable: {error}")
+
     ocp, fnuz = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
     label = f"{desc.name or desc.vendor}"
     if desc.vendor == "amd":
         where = f"{label}, {desc.arch or 'unknown architecture'}"
         if desc.arch == "gfx950":
-            if scaled_dot:
-                return BackendChoice("native", ocp, f"{where}: MX matrix cores via jax.lax.scaled_dot")
-            return BackendChoice("fp8", ocp, f"{where}; this jax has no jax.lax.scaled_dot")
+            return native_or_fp8(where, "MX matrix cores")
         if desc.arch == "gfx942":
             return BackendChoice("fp8", fnuz, f"{where}: FP8 matrix cores, float8_e4m3fnuz")
         return BackendChoice("emulate", ocp, f"{where}: no FP8/MX matrix cores known to fp4jax")
@@ -121,9 +164,7 @@ def choose_backend(desc: DeviceDescription, *, scaled_dot: bool | None = None) -
         major, minor = _compute_capability(desc.arch)
         where = f"{label}, compute capability {major}.{minor}"
         if major >= 10:
-            if scaled_dot:
-                return BackendChoice("native", ocp, f"{where}: MX tensor cores via jax.lax.scaled_dot")
-            return BackendChoice("fp8", ocp, f"{where}; this jax has no jax.lax.scaled_dot")
+            return native_or_fp8(where, "MX tensor cores")
         if major == 9:
             return BackendChoice("fp8", ocp, f"{where}")
         return BackendChoice("emulate", ocp, f"{where}: no FP8 back end chosen for it")
@@ -163,6 +204,11 @@ def check_backend(backend: str, where: str = "backend") -> None:
         raise ValueError(
             f"GEMM back end 'native' needs jax.lax.scaled_dot, which jax {jax.__version__} lacks: "
             "upgrade jax, or use backend='fp8' or 'emulate'"
+        )
+    if backend == "native" and (error := scaled_dot_compile_error()):
+        raise ValueError(
+            f"GEMM back end 'native' ({where}): XLA cannot compile jax.lax.scaled_dot in this process: "
+            f"{error}. Otherwise use backend='fp8' or 'emulate'"
         )
 
 
@@ -351,15 +397,19 @@ def native_supports(a, c) -> bool:
     )
 
 
-def _native(a: MXArray, c: MXArray) -> jax.Array:
+def _scaled_dot(a_data, c_data, a_scale, c_scale) -> jax.Array:
     return jax.lax.scaled_dot(
-        a.data,
-        c.data,
-        lhs_scale=a.scale,
-        rhs_scale=c.scale,
+        a_data,
+        c_data,
+        lhs_scale=a_scale,
+        rhs_scale=c_scale,
         dimension_numbers=_BMK_BNK,
         preferred_element_type=jnp.float32,
     )
+
+
+def _native(a: MXArray, c: MXArray) -> jax.Array:
+    return _scaled_dot(a.data, c.data, a.scale, c.scale)
 
 
 # ----------------------------------------------------------------------------------------------------
