@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 
+from tiny_runs import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_each_recipe_runs_in_its_own_process(tmp_path):
     out = tmp_path / "train.md"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env = subprocess_env(ROOT, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "benchmarks/bench_train.py", "--config", "configs/tiny_c4_h16.py"]
     cmd += ["--recipes", "bf16,fp8", "--steps", "3", "--skip", "1", "--out", str(out)]
     cmd += ["--config.seq_len=32", "--config.global_batch=8"]
@@ -25,7 +27,7 @@ def test_each_recipe_runs_in_its_own_process(tmp_path):
 
 
 def test_a_failing_recipe_stops_with_one_line(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env = subprocess_env(ROOT, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "benchmarks/bench_train.py", "--config", "configs/tiny_c4_h16.py"]
     cmd += ["--recipes", "no_such_recipe", "--steps", "2"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny_runs import subprocess_env
 
 from fp4jax.training.errors import ConfigError
 
@@ -36,7 +37,7 @@ def test_peak_buffers_reads_the_peak_section_largest_first():
 
 def test_step_memory_runs_on_the_tiny_config(tmp_path):
     out = tmp_path / "memory.md"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env = subprocess_env(ROOT, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, "benchmarks/step_memory.py", "--config", "configs/tiny_c4_h16.py"]
     cmd += ["--recipes", "bf16", "--top", "3", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)

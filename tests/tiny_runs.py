@@ -112,16 +112,19 @@ def error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
 
 
+def subprocess_env(*first_on_path: str, **variables: str) -> dict:
+    """os.environ with `variables` set and `first_on_path` in front of PYTHONPATH. The entries already
+    there stay: they may be the dependencies themselves (installed with --target, as on the GPU machine)."""
+    path = os.pathsep.join(filter(None, [*first_on_path, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **variables, "PYTHONPATH": path}
+
+
 def xla_cache_env(xla_cache) -> dict:
     """The environment of a trainer subprocess: the tests' compilation cache, and tiny_runs importable
     (BYTES_CLI)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    return dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(xla_cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        PYTHONPATH=path,
+    return subprocess_env(
+        here, JAX_COMPILATION_CACHE_DIR=str(xla_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
     )
 
 
