@@ -115,7 +115,7 @@ def _capture_attention(option: str) -> str:
     ::at`; either change alone compiles: benchmarks/gpu_repro_diagnostics.py). The capture measures the
     GEMMs, whose operands XLA's attention changes only by rounding, so it takes XLA's attention there.
     """
-    deterministic = xla_flags.boolean("--xla_gpu_deterministic_ops") is True
+    deterministic = xla_flags.boolean(xla_flags.DETERMINISTIC_OPS) is True
     return "xla" if deterministic and option in ("auto", "cudnn") else option
 
 

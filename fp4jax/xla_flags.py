@@ -10,6 +10,10 @@ import re
 
 _TRUE, _FALSE = ("", "true", "1"), ("false", "0")
 
+# The flags fp4jax reads or writes (the trainer's options: training/setup.py XLA_OPTIONS).
+TRITON_GEMM = "--xla_gpu_enable_triton_gemm"
+DETERMINISTIC_OPS = "--xla_gpu_deterministic_ops"
+
 
 def values(flag: str) -> list[str]:
     """The values XLA_FLAGS gives `flag` ("--xla_..."), in order ('' for a bare flag); [] if not named."""

@@ -17,13 +17,15 @@ import subprocess
 import sys
 import tempfile
 
+from fp4jax import xla_flags  # reads XLA_FLAGS; imports no jax
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _ON_CPU = os.environ["JAX_PLATFORMS"].split(",")[0].strip() == "cpu"
 
 
 def _add_xla_flag(name: str, value: str) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
-    if name not in flags:  # a value the user set wins
+    if not xla_flags.values(f"--{name}"):  # a value the user set wins
         os.environ["XLA_FLAGS"] = f"{flags} --{name}={value}".strip()
 
 
@@ -78,9 +80,30 @@ jax.config.update("jax_threefry_partitionable", True)
 # The tiny training runs' session fixtures (tests/tiny_runs.py), defined once here so that every module
 # shares one token cache, one compilation cache and one finished run (imported into a test module instead,
 # each module would get its own).
+import pytest  # noqa: E402
 from tiny_runs import good_run, good_run_result, token_cache, xla_cache  # noqa: E402, F401
+
+from fp4jax.ops.kernels import backends  # noqa: E402
 
 
 def pytest_report_header(config):
     d = jax.devices()
     return f"jax {jax.__version__}, devices: {len(d)} x {d[0].platform} ({d[0].device_kind})"
+
+
+@pytest.fixture
+def failing_scaled_dot(monkeypatch):
+    """scaled-dot as XLA on an H200 with Triton GEMMs off: compiling it fails (probe caches cleared), and
+    FP4JAX_GEMM_BACKEND is unset."""
+
+    def refuse(*args):
+        raise RuntimeError("INTERNAL: Unsupported instruction opcode: scaled-dot\nthe rest of XLA's message")
+
+    backends.scaled_dot_compile_error.cache_clear()
+    backends._auto_choice.cache_clear()
+    monkeypatch.setattr(backends, "_scaled_dot", refuse)
+    monkeypatch.setenv("XLA_FLAGS", f"{xla_flags.TRITON_GEMM}=false")
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    yield monkeypatch
+    backends.scaled_dot_compile_error.cache_clear()
+    backends._auto_choice.cache_clear()

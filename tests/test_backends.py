@@ -13,6 +13,7 @@ import lanes
 import numpy as np
 import pytest
 
+from fp4jax import xla_flags
 from fp4jax.ops import quantize_fp8
 from fp4jax.ops import quantize_mx as _quantize_mx
 from fp4jax.ops.kernels import backends
@@ -193,23 +194,6 @@ def test_scaled_dot_probe_says_whether_native_gemms_compile():
     assert compiled == (error is None), error
 
 
-@pytest.fixture
-def failing_scaled_dot(monkeypatch):
-    """scaled-dot as XLA on an H200 with Triton GEMMs off: compiling it fails (probe caches cleared)."""
-
-    def refuse(*args):
-        raise RuntimeError("INTERNAL: Unsupported instruction opcode: scaled-dot\nthe rest of XLA's message")
-
-    backends.scaled_dot_compile_error.cache_clear()
-    backends._auto_choice.cache_clear()
-    monkeypatch.setattr(backends, "_scaled_dot", refuse)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    yield monkeypatch
-    backends.scaled_dot_compile_error.cache_clear()
-    backends._auto_choice.cache_clear()
-
-
 def test_native_that_cannot_compile_is_one_line_naming_the_triton_flag(failing_scaled_dot):
     if not backends.has_scaled_dot():
         pytest.skip("this jax has no jax.lax.scaled_dot")
@@ -245,19 +229,20 @@ def test_auto_takes_fp8_where_scaled_dot_does_not_compile(failing_scaled_dot, de
 def test_native_tests_with_triton_gemms():
     """Runs the native GEMM tests in a process with XLA's Triton GEMMs on, through which XLA emits
     scaled-dot on an H200 (the lane turns them off, as the trainer does)."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {backends.TRITON_GEMM_FLAG}=true".strip()
-    env = {**os.environ, "XLA_FLAGS": flags}
     selected = "native_shape_rule or probe_says or (backends_equal_emulate and native)"
-    options = ["-o", "addopts=", "-q", "-p", "no:cacheprovider", "-k", selected]
-    files = [__file__, os.path.join(os.path.dirname(__file__), "test_mx_dot.py")]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", *options, *files],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0 and "10 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    mx_dot_tests = os.path.join(os.path.dirname(__file__), "test_mx_dot.py")
+    _run_with_triton_gemms("true", selected, [__file__, mx_dot_tests], passed=10)
+
+
+def _run_with_triton_gemms(value: str, selected: str, files: list[str], passed: int) -> None:
+    """Runs the tests `selected` (-k) of `files` in one child process whose XLA_FLAGS set Triton GEMMs to
+    `value` (XLA flags are fixed per process), and checks that `passed` of them passed."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags.TRITON_GEMM}={value}".strip()
+    options = ["-o", "addopts=", "-q", "-p", "no:cacheprovider", "-k", selected]  # one process, a summary
+    cmd = [sys.executable, "-m", "pytest", *options, *files]
+    env = {**os.environ, "XLA_FLAGS": flags}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and f"{passed} passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 def test_native_takes_mxfp8_but_not_mixed_blocks():
@@ -397,10 +382,11 @@ def test_hlo_check_finds_the_output_type_of_the_fp8_gemm():
 
 
 FP8_PAIRS = [(E4M3, E4M3), (jnp.float8_e5m2, E4M3), (E4M3, jnp.float8_e5m2)]
-TRITON_GEMM_OFF = "--xla_gpu_enable_triton_gemm=false"
+TRITON_GEMMS_OFF = xla_flags.boolean(xla_flags.TRITON_GEMM) is False
 needs_triton_off = pytest.mark.skipif(
-    not ON_NVIDIA or TRITON_GEMM_OFF not in os.environ.get("XLA_FLAGS", ""),
-    reason=f"needs an NVIDIA GPU and XLA_FLAGS={TRITON_GEMM_OFF} (test_fp8_epilogue_tests_without_triton)",
+    not ON_NVIDIA or not TRITON_GEMMS_OFF,
+    reason=f"needs an NVIDIA GPU and XLA_FLAGS={xla_flags.TRITON_GEMM}=false "
+    "(test_fp8_epilogue_tests_without_triton)",
 )
 
 
@@ -435,15 +421,10 @@ def test_fp8_gemm_with_bfloat16_output_accumulates_precisely():
     np.testing.assert_array_equal(np.asarray(got, np.float32), 204800.0)
 
 
-@pytest.mark.skipif(
-    not ON_NVIDIA or TRITON_GEMM_OFF in os.environ.get("XLA_FLAGS", ""), reason="needs an NVIDIA GPU"
-)
+@pytest.mark.skipif(not ON_NVIDIA or TRITON_GEMMS_OFF, reason="needs an NVIDIA GPU")
 def test_fp8_epilogue_tests_without_triton():
     """Runs the two tests above in a process with Triton GEMM fusions off, where the epilogue spelling
     applies (XLA flags are fixed per process)."""
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {TRITON_GEMM_OFF}".strip()}
-    selected = "writes_bfloat16_with or bfloat16_output_accumulates"
-    options = ["-o", "addopts=", "-q", "-p", "no:cacheprovider", "-k", selected]  # one process, a summary
-    cmd = [sys.executable, "-m", "pytest", *options, __file__]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "4 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    _run_with_triton_gemms(
+        "false", "writes_bfloat16_with or bfloat16_output_accumulates", [__file__], passed=4
+    )

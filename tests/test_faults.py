@@ -270,24 +270,13 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(override, message, tmp_path,
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
-def test_native_gemms_that_cannot_compile_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+def test_native_gemms_that_cannot_compile_are_one_line_and_exit_2(tmp_path, failing_scaled_dot, capsys):
     """FP4JAX_GEMM_BACKEND=native where XLA cannot compile scaled-dot (as on an H200 with Triton GEMMs
     off) stops before anything is traced, naming the back end and the way out."""
-
-    def refuse(*args):
-        raise RuntimeError("INTERNAL: Unsupported instruction opcode: scaled-dot")
-
-    backends.scaled_dot_compile_error.cache_clear()
-    backends._auto_choice.cache_clear()
-    monkeypatch.setattr(backends, "_scaled_dot", refuse)
-    monkeypatch.setenv(backends.ENV_VAR, "native")
+    failing_scaled_dot.setenv(backends.ENV_VAR, "native")
     argv = ["fp4jax.train", "--config", os.path.join(ROOT, "configs", "tiny_c4_h16.py")]
     argv += ["--workdir", str(tmp_path / "run"), f"--config.data.cache_dir={tmp_path / 'cache'}"]
-    try:
-        assert cli.main(argv) == 2
-    finally:
-        backends.scaled_dot_compile_error.cache_clear()
-        backends._auto_choice.cache_clear()
+    assert cli.main(argv) == 2
     err = error_lines(capsys)
     assert len(err) == 1 and "recipe mxfp4_full_h16: GEMM back end 'native' (environment" in err[0], err
     assert "XLA cannot compile jax.lax.scaled_dot in this process" in err[0]

@@ -75,8 +75,8 @@ def initialize_distributed():
 # as in the embedding gradient), so the same update twice differs in its last bits, and MXFP4's rounding
 # makes that visible in the loss (benchmarks/probe_repeatability.py; docs/training.md, Repeatability).
 XLA_OPTIONS = {
-    "xla_gpu_triton_gemm": "--xla_gpu_enable_triton_gemm",
-    "xla_gpu_deterministic_ops": "--xla_gpu_deterministic_ops",
+    "xla_gpu_triton_gemm": xla_flags.TRITON_GEMM,
+    "xla_gpu_deterministic_ops": xla_flags.DETERMINISTIC_OPS,
 }
 
 
@@ -102,7 +102,7 @@ def apply_xla_options(config: ml_collections.ConfigDict) -> str:
 def deterministic_ops(config: ml_collections.ConfigDict) -> bool:
     """Whether this run asks for XLA's deterministic GPU ops: in XLA_FLAGS if it names the flag (the user's
     setting wins, as in apply_xla_options), else config.xla_gpu_deterministic_ops."""
-    named = xla_flags.boolean(XLA_OPTIONS["xla_gpu_deterministic_ops"])
+    named = xla_flags.boolean(xla_flags.DETERMINISTIC_OPS)
     return bool(config.xla_gpu_deterministic_ops) if named is None else named
 
 

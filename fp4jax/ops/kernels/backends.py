@@ -102,9 +102,6 @@ def has_scaled_dot() -> bool:
     return hasattr(jax.lax, "scaled_dot")
 
 
-TRITON_GEMM_FLAG = "--xla_gpu_enable_triton_gemm"
-
-
 @functools.cache
 def scaled_dot_compile_error() -> str | None:
     """Run-time check, once per process: None when XLA compiles a small MXFP4 `jax.lax.scaled_dot` for the
@@ -128,9 +125,9 @@ def scaled_dot_compile_error() -> str | None:
         jax.jit(_scaled_dot).lower(*operands).compile()
     except Exception as exc:  # noqa: BLE001 - whatever stops the compile stops every native GEMM too
         error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if xla_flags.boolean(TRITON_GEMM_FLAG) is False:
+        if xla_flags.boolean(xla_flags.TRITON_GEMM) is False:
             error += (
-                f" (XLA_FLAGS has {TRITON_GEMM_FLAG}=false, and on an H200 XLA compiles scaled-dot only "
+                f" (XLA_FLAGS has {xla_flags.TRITON_GEMM}=false, and on an H200 XLA compiles scaled-dot only "
                 "through its Triton GEMMs: train with --config.xla_gpu_triton_gemm=True)"
             )
         return error
