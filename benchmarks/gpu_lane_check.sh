@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU lane's previously failing tests and the two GPU probes, each under a hard timeout (< 6 min).
+# The GPU lane's most GPU-sensitive tests and the two GPU probes, each under a hard timeout (< 6 min).
 #
 #   bash benchmarks/gpu_lane_check.sh        (one NVIDIA GPU; logs under $OUT if set, else ./gpu_lane_logs)
 #
 # 1. pytest: test_backends (auto = fp8 on Hopper, FP8 accumulation promoted to float32), test_fold,
 #    the rotation-spelling test, the configs subprocess, shellcheck, test_mx_dot's preset references
-#    (the FP8 accumulation bound) and the three diagnostics tests that failed to compile.
+#    (the FP8 accumulation bound) and the three diagnostics tests that compile the operand capture.
 # 2. benchmarks/gpu_repro_diagnostics.py: which construct trips XLA when compiling the capture.
 # 3. benchmarks/gpu_probe_fp8.sh (short steps): compile time of the fp8 back end, Triton GEMM on / off.
 set -u
