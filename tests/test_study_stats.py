@@ -239,7 +239,8 @@ def test_overhead_is_exact_for_a_stretched_curve_over_a_window():
 def test_overhead_below_the_asymptote_is_not_reported():
     curve = stats.fit_power_law(TOKENS, curve_loss(TOKENS))
     row = stats.iso_loss_overhead(curve, TOKENS[-1], -(curve_loss(TOKENS[-1]) - E) - 0.01, 1e-3, 8)
-    assert row["overhead"] is None and "asymptote" in row["note"]
+    assert row["overhead"] is None and row["ci_low"] is None and "asymptote" in row["note"]
+    assert set(row) == set(stats.iso_loss_overhead(curve, TOKENS[-1], 0.01, 1e-3, 8))  # one schema
 
 
 def test_curve_error_matches_a_numerical_gradient():
@@ -376,5 +377,7 @@ def test_other_input_errors():
         stats.welch([1.0], [2.0, 3.0])
     with pytest.raises(ValueError, match="distinct token counts"):
         stats.fit_power_law(TOKENS[:3], curve_loss(TOKENS[:3]))
+    with pytest.raises(ValueError, match="df > 0"):
+        stats.iso_loss_overhead(stats.fit_power_law(TOKENS, curve_loss(TOKENS)), TOKENS[-1], 0.01, 1e-3, 0)
     with pytest.raises(ValueError, match="spike_nats > 0"):
         stats.loss_spikes([1, 2], [3.0, 3.0], spike_nats=0.0, window=1)

@@ -46,6 +46,18 @@ __all__ = [
 
 LEVEL = 0.95  # two-sided confidence level of every interval
 ALPHA = 0.05  # family-wise error rate of Holm's decisions
+OVERHEAD_METHOD = "delta method, Satterthwaite df"
+OVERHEAD_KEYS = (  # iso_loss_overhead's numbers, all None when the arm's loss is unreachable
+    "overhead",
+    "token_ratio",
+    "se",
+    "se_from_loss",
+    "se_from_curve",
+    "df",
+    "ci_low",
+    "ci_high",
+    "baseline_tokens",
+)
 
 
 # ------------------------------------------------------------------------------------ the paired model
@@ -354,6 +366,8 @@ def iso_loss_overhead(curve: PowerLaw, tokens, delta: float, delta_se: float, de
     delta_df and the curve's df; interval overhead +- t quantile x se. `note` says when the baseline's
     tokens T / rho for this loss lie outside the fitted range (the curve, not data, decides), or when the
     arm's loss is below the curve's asymptote (no token count reaches it: no overhead)."""
+    if delta_se < 0 or delta_df <= 0:
+        raise ValueError(f"delta_se {delta_se} and delta_df {delta_df}: the contrast's SE >= 0 and df > 0")
     t = np.atleast_1d(np.asarray(tokens, dtype=float)) / curve.t_ref
     scaled = t**-curve.alpha
     excess = curve.B * float(scaled.mean())
@@ -361,7 +375,7 @@ def iso_loss_overhead(curve: PowerLaw, tokens, delta: float, delta_se: float, de
     if u <= 0:
         below = -delta - excess
         note = f"the arm's loss is {below:.4g} nats below the baseline curve's asymptote E (unreachable)"
-        return {"overhead": None, "se": None, "ci_low": None, "ci_high": None, "note": note}
+        return {**dict.fromkeys(OVERHEAD_KEYS), "level": level, "method": OVERHEAD_METHOD, "note": note}
     rho = float(u ** (1 / curve.alpha))
     d_log_rho_d_excess = -delta / (curve.alpha * u * excess**2)
     d_excess_d_alpha = -curve.B * float(np.mean(scaled * np.log(t)))
@@ -388,7 +402,7 @@ def iso_loss_overhead(curve: PowerLaw, tokens, delta: float, delta_se: float, de
         "ci_low": rho - 1 - half,
         "ci_high": rho - 1 + half,
         "baseline_tokens": [float(x) for x in t * curve.t_ref / rho],
-        "method": "delta method, Satterthwaite df",
+        "method": OVERHEAD_METHOD,
         "note": _extrapolation(curve, t * curve.t_ref / rho),
     }
 
@@ -457,15 +471,13 @@ def loss_spikes(steps, losses, spike_nats: float, window: int) -> list[dict]:
     if len(steps) != len(losses) or not np.isfinite(losses).all():
         raise ValueError("loss_spikes needs one finite loss a step (a non-finite loss is a divergence)")
     guard = DivergenceGuard(spike_nats, window)
-    spikes, previous = [], None
+    spikes, in_spike = [], False
     for step, loss in zip(steps, losses, strict=True):
         # The guard checks grad_norm first; a finite stand-in leaves its loss rule alone.
         hit = guard.check(int(step), {"loss": float(loss), "grad_norm": 0.0})
-        if hit is None:
-            previous = None
-            continue
-        if previous is None:
+        if hit is not None and not in_spike:
             spikes.append({"start_step": int(step), "end_step": int(step), "peak_mean": hit.value})
-        spikes[-1].update(end_step=int(step), peak_mean=max(spikes[-1]["peak_mean"], hit.value))
-        previous = hit
+        elif hit is not None:
+            spikes[-1].update(end_step=int(step), peak_mean=max(spikes[-1]["peak_mean"], hit.value))
+        in_spike = hit is not None
     return spikes
