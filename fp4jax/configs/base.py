@@ -20,6 +20,10 @@ Keys:
   proxy studies); weight_decay_mask "matrices" (no decay on norm scales, Megatron's default) or "all".
 - Evaluation (MLPerf protocol): eval_sequences from the start of the unshuffled validation stream, every
   eval_every_sequences training sequences; stop when the mean loss <= target_eval_loss (stop_at_target).
+  eval_selection "first" (that protocol) or "spread" (eval_sequences windows evenly strided over the whole
+  validation stream, the same for every run); final_eval_sequences N > 0: after the last update, one more
+  evaluation of at most N windows selected the same way (fewer when the validation set has fewer: the
+  largest multiple of eval_batch_size it holds), recorded as summary["final_eval"]; 0 = none.
 - Checkpoints: every checkpoint_every_steps (0 = only final/preemption), keep_checkpoints, init_checkpoint
   (start from another run's checkpoint when the workdir has none).
 - mesh.data / mesh.fsdp / mesh.tensor (-1 = the remaining devices); data: fp4jax.data's config, with
@@ -105,6 +109,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_every_sequences = MLPERF_EVAL_EVERY_SEQUENCES
     c.eval_sequences = MLPERF_EVAL_SEQUENCES
     c.eval_batch_size = 8  # sequences per eval step; 8 x 8192 fp32 logits are 4.2 GB per sequence
+    c.eval_selection = "first"  # the MLPerf protocol's prefix of the validation stream
+    c.final_eval_sequences = 0
     c.target_eval_loss = 3.3
     c.stop_at_target = True
     c.eval_at_end = False

@@ -12,12 +12,13 @@ set-up's `fp8_scaling`, the baseline's), so the ladder compares recipes and noth
 - "tiny_c4": the tiny model on the bundled C4 sample, on CPU in minutes.
 RUNGS maps each rung's file suffix (configs/llama8b_c4_<suffix>.py) to its preset.
 
-Proxies, shaped like the 8B run at small scale: a constant LR after warmup (at 8B the cosine over 1.2M
-steps barely decays within the run), at most one epoch of data, an evaluation every 2 % of the run, the
-reference's document separation ("none") and FP8 scaling ("delayed"). 1,000 updates of 32 x 1024 tokens =
-32.8M tokens, just under one epoch of pg_en's 33.3M training tokens. The corpus is a json.gz directory
-given by data.path (never a machine path in a config). Sweep a rung's learning rate with
-`--config.recipe=mxfp4_full --config.optimizer.peak_lr=3e-3`.
+Proxies, shaped like the 8B run at small scale: a constant LR after warmup (at 8B the cosine over 1.2M steps
+barely decays within the run), at most one epoch of data, an evaluation every 2 % of the run, the reference's
+document separation ("none") and FP8 scaling ("delayed"); each evaluation reads 256 validation sequences
+spread over the whole validation split, the final one up to 1,024. 1,000 updates of 32 x 1024 tokens = 32.8M
+tokens, just under one epoch of pg_en's 33.3M training tokens. The corpus is a json.gz directory given by
+data.path (never a machine path in a config). Sweep a rung's learning rate with `--config.recipe=mxfp4_full
+--config.optimizer.peak_lr=3e-3`.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ SMALL_MODEL_REMAT = "minimal_attention"
 # was written with. The 8B set-up keeps the loop (32 blocks, sharded; not measured unrolled).
 SMALL_MODEL_SCAN_LAYERS = False
 PROXY_EVALS = 50  # evaluations per run: one every 2 %
+PROXY_EVAL_SEQUENCES = 256
+PROXY_FINAL_EVAL_SEQUENCES = 1024
 
 
 def small_model(size: str) -> ml_collections.ConfigDict:
@@ -146,7 +149,13 @@ def proxy(size: str, corpus: str) -> ml_collections.ConfigDict:
     c.optimizer.update(schedule="constant", peak_lr=1.5e-3, warmup_steps=PROXY_STEPS // 10)
     c.optimizer.lr_decay_steps = PROXY_STEPS  # unused by the constant schedule
     c.eval_every_sequences = PROXY_STEPS * c.global_batch // PROXY_EVALS
-    c.eval_sequences, c.eval_batch_size = 128, 32
+    # Every evaluation reads PROXY_EVAL_SEQUENCES windows spread over the whole validation split (not a
+    # prefix of it, which is one or two books of pg_en), the same windows for every run; the final one
+    # reads up to PROXY_FINAL_EVAL_SEQUENCES (pg_en's split holds 752 at seq 1024: all of them). Batches
+    # of 16 divide both 256 and 752.
+    c.eval_selection = "spread"
+    c.eval_sequences, c.eval_batch_size = PROXY_EVAL_SEQUENCES, 16
+    c.final_eval_sequences = PROXY_FINAL_EVAL_SEQUENCES
     c.target_eval_loss, c.stop_at_target, c.eval_at_end = 4.0, False, True
     c.checkpoint_every_steps = 250
     return c

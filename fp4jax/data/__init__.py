@@ -20,11 +20,18 @@ from fp4jax.data.config import (
     train_sources,
 )
 from fp4jax.data.errors import DataError
-from fp4jax.data.iterator import TrainIterator, make_eval_batches, make_train_iterator
+from fp4jax.data.iterator import (
+    EVAL_SELECTIONS,
+    TrainIterator,
+    eval_window_ids,
+    make_eval_batches,
+    make_train_iterator,
+)
 from fp4jax.data.packing import TokenStream, make_batch, num_windows, pack_documents
 from fp4jax.data.tokenizers import Tokenizer, load_tokenizer
 
 __all__ = [
+    "EVAL_SELECTIONS",
     "MLPERF_MERGED_EVAL_GLOB",
     "MLPERF_MERGED_TRAIN_GLOB",
     "MLPERF_TRAIN_GLOB",
@@ -34,6 +41,7 @@ __all__ = [
     "TrainIterator",
     "default_data_config",
     "eval_sources",
+    "eval_window_ids",
     "load_token_stream",
     "load_tokenizer",
     "make_batch",

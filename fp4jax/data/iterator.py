@@ -150,6 +150,32 @@ def make_train_iterator(
     )
 
 
+EVAL_SELECTIONS = ("first", "spread")
+
+
+def eval_window_ids(available: int, num_sequences: int, selection: str) -> np.ndarray:
+    """Which of the validation stream's `available` windows an evaluation of `num_sequences` reads, in
+    stream order.
+
+    "first": windows 0 .. N-1 (the MLPerf protocol: a prefix of the unshuffled stream). "spread": with
+    W = available, window (2i + 1) W // 2N for i < N, the window holding the middle of each of N equal
+    strata of the stream, so every part of the validation set is read (the ids are distinct: the middles
+    are W / N >= 1 windows apart).
+    Either depends on nothing but (W, N): every run, seed and recipe evaluates the same windows.
+    """
+    if selection not in EVAL_SELECTIONS:
+        raise DataError(
+            f"unknown eval selection {selection!r}: set --config.eval_selection to one of "
+            f"{', '.join(EVAL_SELECTIONS)}"
+        )
+    if not 1 <= num_sequences <= available:
+        raise DataError(f"eval of {num_sequences:,} sequences from {available:,} available windows")
+    if selection == "first":
+        return np.arange(num_sequences, dtype=np.int64)
+    i = np.arange(num_sequences, dtype=np.int64)
+    return (2 * i + 1) * available // (2 * num_sequences)
+
+
 def make_eval_batches(
     cfg: ml_collections.ConfigDict,
     tokenizer: Tokenizer | str | None = None,
@@ -160,25 +186,34 @@ def make_eval_batches(
     process_index: int = 0,
     process_count: int = 1,
     progress: bool = True,
+    selection: str = "first",
+    at_most: bool = False,
 ) -> list[dict[str, np.ndarray]]:
-    """The first `num_sequences` windows of the unshuffled validation stream, in order, as global batches
-    of `batch_size`, of which this process holds rows [p b/P, (p + 1) b/P)."""
+    """`num_sequences` windows of the unshuffled validation stream chosen by `selection`
+    (`eval_window_ids`), in stream order, as global batches of `batch_size`, of which this process holds
+    rows [p b/P, (p + 1) b/P). With `at_most`, a validation set with fewer windows gives all it has, cut
+    down to a multiple of `batch_size`; without it, that is a DataError."""
     check_sharding(batch_size, process_index, process_count, what="eval batch_size")
-    if num_sequences < 1 or num_sequences % batch_size:
+    if num_sequences < 1 or (num_sequences % batch_size and not at_most):
         raise DataError(
             f"eval num_sequences {num_sequences} is not a positive multiple of batch_size {batch_size}"
         )
+    eval_window_ids(1, 1, selection)  # an unknown selection fails before any tokenizing
     tok = load_tokenizer(tokenizer or cfg.tokenizer)
-    stream = _stream(cfg, tok, eval_sources(cfg), num_sequences * seq_len + 1, progress)
+    prefix = num_sequences * seq_len + 1 if selection == "first" else None  # "spread" reads it all
+    stream = _stream(cfg, tok, eval_sources(cfg), prefix, progress)
     available = num_windows(len(stream), seq_len)
-    if available < num_sequences:
+    if at_most:
+        num_sequences = min(num_sequences, available) // batch_size * batch_size
+    if available < num_sequences or num_sequences < 1:
         raise DataError(
-            f"eval wants {num_sequences:,} sequences of {seq_len:,} tokens but the validation data has "
-            f"{len(stream):,} tokens, only {available:,} sequences"
+            f"eval wants {max(num_sequences, batch_size):,} sequences of {seq_len:,} tokens but the "
+            f"validation data has {len(stream):,} tokens, only {available:,} sequences"
         )
+    ids = eval_window_ids(available, num_sequences, selection)
     local = batch_size // process_count
     starts = range(process_index * local, num_sequences, batch_size)
-    return [make_batch(stream, range(s, s + local), seq_len) for s in starts]
+    return [make_batch(stream, ids[s : s + local], seq_len) for s in starts]
 
 
 def _stream(cfg, tok: Tokenizer, sources: Sequence, min_tokens: int | None, progress: bool) -> TokenStream:

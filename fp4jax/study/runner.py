@@ -134,8 +134,9 @@ def _mtime(path: str) -> float | None:
     return os.path.getmtime(path) if os.path.exists(path) else None
 
 
-def start(spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s) -> Job:
-    """Launches the trainer for `spec` in its own session (so the ladder decides which signals it gets)."""
+def start(spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s, env=None) -> Job:
+    """Launches the trainer for `spec` in its own session (so the ladder decides which signals it gets),
+    in `env` (default: this process's environment) pinned to `gpus`."""
     run_dir = spec.directory(root)
     os.makedirs(run_dir, exist_ok=True)
     cmd = spec.argv(root, overrides)
@@ -148,7 +149,7 @@ def start(spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s)
         cmd,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=device_env(gpus, kind, os.environ),
+        env=device_env(gpus, kind, os.environ if env is None else env),
         start_new_session=True,
     )
     return Job(

@@ -107,11 +107,12 @@ class MetricsWriter:
             return
         self.file.write(json.dumps(record, sort_keys=True) + "\n")
         self.file.flush()
-        if self.bar is not None and "eval_loss" not in record:
+        evaluation = "eval_loss" in record or "final_eval_loss" in record
+        if self.bar is not None and not evaluation:
             self.bar.update(record["step"] - self.bar.n)
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
         if self.tb is not None:
-            prefix = "eval/" if "eval_loss" in record else "train/"
+            prefix = "eval/" if evaluation else "train/"
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float):
                     tag = key if key.startswith("diag/") else prefix + key

@@ -46,6 +46,7 @@ class Run:
     probe: object
     mfu_per_token_s: float | None
     last_step: int
+    final_eval_batches: list = dataclasses.field(default_factory=list)  # config.final_eval_sequences
 
     @property
     def start_step(self) -> int:
@@ -78,7 +79,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
 def build_run(config, workdir: str, mesh, last_step: int) -> Run:
     """Model, data, state (restored from the newest good checkpoint, if any), jitted steps."""
     tokenizer, model, model_cfg, tx, schedule = setup.build_model_and_optimizer(config)
-    train_iter, eval_batches = load_data(config, tokenizer, mesh)
+    train_iter, eval_batches, final_eval_batches = load_data(config, tokenizer, mesh)
     state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
     manager = checkpoint.make_manager(
         workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing
@@ -107,11 +108,13 @@ def build_run(config, workdir: str, mesh, last_step: int) -> Run:
         if peak
         else None,
         last_step=last_step,
+        final_eval_batches=final_eval_batches,
     )
 
 
 def load_data(config, tokenizer, mesh):
-    """(training iterator, device eval batches); DataError messages say which flag to set."""
+    """(training iterator, device eval batches, device final-eval batches); DataError messages say which
+    flag to set."""
     try:
         train_iter = make_train_iterator(
             config.data,
@@ -122,7 +125,8 @@ def load_data(config, tokenizer, mesh):
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        return train_iter, evaluation.load_eval_set(config, tokenizer, mesh)
+        eval_batches = evaluation.load_eval_set(config, tokenizer, mesh)
+        return train_iter, eval_batches, evaluation.load_final_eval_set(config, tokenizer, mesh)
     except DataError as exc:
         raise DataError(data_hint(str(exc))) from exc
 
@@ -169,7 +173,7 @@ def run_loop(run: Run) -> dict:
     finally:
         writer.close()
     status = stop or ("diverged" if divergence else "reached" if run.meta["target_step"] else "not_reached")
-    extra = {}
+    extra = {"final_eval": run.meta["final_eval"]} if "final_eval" in run.meta else {}
     if divergence is not None:
         newest = max(integrity.step_dirs(str(run.manager.directory)), default=None)
         extra["divergence_message"] = describe(divergence, guard.last_finite(), run.resumed_from, newest)
@@ -309,6 +313,8 @@ def _boundary(
     eval_due = evaluation.eval_due(config, step, run.last_step)
     if eval_due:
         _evaluate(run, step, writer)
+    if step == run.last_step and run.final_eval_batches:
+        _final_evaluate(run, step, writer)
     reached = config.stop_at_target and run.meta["target_step"] == step
     stop = "preempted" if stop_requested else "reached" if reached else None
     if _checkpoint_due(config, step) or stop or step == run.last_step:
@@ -318,6 +324,18 @@ def _boundary(
     elif eval_due:
         timer.restart()
     return stop
+
+
+def _final_evaluate(run: Run, step: int, writer):
+    """The larger final evaluation, kept apart from the periodic ones (meta["final_eval"], saved with the
+    last checkpoint and written to the summary)."""
+    t0 = time.perf_counter()
+    eval_loss = evaluation.evaluate(run.eval_fn, run.state, run.final_eval_batches, run.quant_key)
+    record = evaluation.final_eval_record(
+        run.config, step, eval_loss, run.final_eval_batches, time.perf_counter() - t0
+    )
+    run.meta["final_eval"] = record
+    writer.write(record)
 
 
 def _evaluate(run: Run, step: int, writer):

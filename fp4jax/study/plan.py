@@ -1,0 +1,485 @@
+"""A study as data (a TOML plan file) and the budgeted, resumable runner of it.
+
+    python -m fp4jax.study run --plan fp4jax/study/plans/proxy125m.toml --root runs/study \
+        --budget-minutes 9 --parallel 2 --gpus 0,0 [--stage calibration] [--set data.path=...]
+    python -m fp4jax.study report --plan fp4jax/study/plans/proxy125m.toml --root runs/study --out DIR
+
+The plan file: top-level `name`, then `[[stages]]` in the order they run, each with `name`, `design`
+("scratch_paired": every arm from scratch with the same seeds, so init and data order are shared by all
+arms), `config` (a set-up's config file), `arms` ({arm name: recipe preset}, in report order), `baseline`
+(an arm), `seeds`, `steps`, `warmup_steps`, `peak_lr`, `backend` (a GEMM back end or "auto"),
+`run_minutes` (one run's expected wall time, used until runs of the stage measured it), optional
+`overrides` ({dotted config key: value}), `requires` (stages that must be complete and, if gated, passed)
+and `gate` (the pass rule, see `gate_result`).
+
+Run layout: ROOT/<stage>/<arm>/seed<k>/ (fp4jax.study.runs), so each stage is a ladder root of its own.
+
+Invariants of `run`:
+- a run with a final summary is never started again (runner); an unfinished one resumes from its
+  checkpoints;
+- the call holds its GPUs for at most --budget-minutes of wall time: a run is started only when its
+  expected remaining time fits in what is left (or, when nothing is running and nothing fits, when at
+  least MIN_START_MINUTES are left: it will be stopped with a checkpoint); at the budget's end every
+  running run gets SIGTERM (it saves a checkpoint and exits; the next call resumes it) and is killed
+  KILL_AFTER_S later if it has not exited;
+- a run stopped by the budget before it could save is left without a summary (resumable), never
+  recorded as failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+import tomllib
+
+from fp4jax.study import runner, runs
+
+__all__ = [
+    "DESIGNS",
+    "Plan",
+    "Stage",
+    "gate_result",
+    "load_plan",
+    "run_plan",
+    "stage_specs",
+]
+
+DESIGNS = ("scratch_paired",)
+STAGE_KEYS = {
+    "name",
+    "design",
+    "config",
+    "arms",
+    "baseline",
+    "seeds",
+    "steps",
+    "warmup_steps",
+    "peak_lr",
+    "backend",
+    "run_minutes",
+    "overrides",
+    "requires",
+    "gate",
+}
+REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"}
+GATE_KEYS = {"arm", "against", "last_evals", "smallest_overhead", "sigmas"}
+BACKENDS = ("auto", "emulate", "fp8", "native")
+STOP_MARGIN_S = 60  # stop runs this long before the budget ends: they save a checkpoint and exit
+KILL_AFTER_S = 60  # a run that has not exited this long after SIGTERM is killed
+MIN_START_MINUTES = 3.0  # an over-long run is started on an idle machine only with this much left
+RESUME_OVERHEAD_MINUTES = 1.0  # a resumed run's start-up and compile
+BACKEND_ENV = "FP4JAX_GEMM_BACKEND"
+# Student t 0.975 quantiles by degrees of freedom (the gate's interval; 30+ uses 30's).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+T975.update({10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042})
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    design: str
+    config: str
+    arms: dict[str, str]
+    baseline: str
+    seeds: tuple[int, ...]
+    steps: int
+    warmup_steps: int
+    peak_lr: float
+    backend: str
+    run_minutes: float
+    overrides: dict[str, object] = dataclasses.field(default_factory=dict)
+    requires: tuple[str, ...] = ()
+    gate: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    stages: tuple[Stage, ...]
+    path: str
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise ValueError(f"plan {self.name} has no stage {name!r}: its stages are {self.stage_names}")
+
+    @property
+    def stage_names(self) -> str:
+        return ", ".join(s.name for s in self.stages)
+
+
+def load_plan(path: str) -> Plan:
+    """The plan in a TOML file, checked: a ValueError of one line names the first bad entry."""
+    if not os.path.isfile(path):
+        raise ValueError(f"plan file {path} does not exist; the committed plans are in fp4jax/study/plans/")
+    with open(path, "rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"plan file {path} is not valid TOML: {exc}") from None
+    stages = data.get("stages")
+    if not isinstance(data.get("name"), str) or not isinstance(stages, list) or not stages:
+        raise ValueError(f"plan file {path} needs a top-level name and at least one [[stages]] table")
+    parsed: list[Stage] = []
+    for i, raw in enumerate(stages):
+        parsed.append(_stage(raw, f"{path}: stage {raw.get('name', i)!r}", [s.name for s in parsed]))
+    return Plan(data["name"], tuple(parsed), path)
+
+
+def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
+    unknown, missing = set(raw) - STAGE_KEYS, REQUIRED_KEYS - set(raw)
+    if unknown or missing:
+        what = f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}"
+        raise ValueError(f"{where}: {what}; a stage has {', '.join(sorted(STAGE_KEYS))}")
+    if raw["name"] in earlier or not str(raw["name"]).isidentifier():
+        raise ValueError(f"{where}: a stage name is a unique identifier")
+    if raw["design"] not in DESIGNS:
+        raise ValueError(f"{where}: design {raw['design']!r} is not one of {', '.join(DESIGNS)}")
+    if raw["backend"] not in BACKENDS:
+        raise ValueError(f"{where}: backend {raw['backend']!r} is not one of {', '.join(BACKENDS)}")
+    arms = raw["arms"]
+    if not isinstance(arms, dict) or not arms or raw["baseline"] not in arms:
+        raise ValueError(f"{where}: arms is a table {{arm = recipe}} that includes the baseline")
+    for key in ("seeds",):
+        if not raw[key] or not all(isinstance(s, int) and s >= 0 for s in raw[key]):
+            raise ValueError(f"{where}: seeds is a non-empty list of integers >= 0")
+    if not (raw["steps"] >= 1 and 0 <= raw["warmup_steps"] < raw["steps"] and raw["peak_lr"] > 0):
+        raise ValueError(f"{where}: want steps >= 1, 0 <= warmup_steps < steps and peak_lr > 0")
+    for need in raw.get("requires", []):
+        if need not in earlier:
+            raise ValueError(f"{where}: requires {need!r}, which is not an earlier stage")
+    gate = raw.get("gate")
+    if gate is not None and (set(gate) != GATE_KEYS or {gate["arm"], gate["against"]} - set(arms)):
+        raise ValueError(f"{where}: gate needs exactly {sorted(GATE_KEYS)}, arm and against among the arms")
+    return Stage(
+        name=raw["name"],
+        design=raw["design"],
+        config=raw["config"],
+        arms=dict(arms),
+        baseline=raw["baseline"],
+        seeds=tuple(raw["seeds"]),
+        steps=int(raw["steps"]),
+        warmup_steps=int(raw["warmup_steps"]),
+        peak_lr=float(raw["peak_lr"]),
+        backend=raw["backend"],
+        run_minutes=float(raw["run_minutes"]),
+        overrides=dict(raw.get("overrides", {})),
+        requires=tuple(raw.get("requires", [])),
+        gate=None if gate is None else dict(gate),
+    )
+
+
+# ------------------------------------------------------------------------------------------- the runs
+
+
+def _override(key: str, value) -> str:
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"--config.{key}={text}"
+
+
+def stage_specs(stage: Stage) -> list[runner.RunSpec]:
+    """The stage's runs, seed-major (every arm's seed 0 before any seed 1): arm = the config with its recipe,
+    the stage's horizon, warm-up, LR and overrides."""
+    common = [
+        _override("steps", stage.steps),
+        _override("optimizer.warmup_steps", stage.warmup_steps),
+        _override("optimizer.peak_lr", repr(stage.peak_lr)),
+        *(_override(k, v) for k, v in stage.overrides.items()),
+    ]
+    rungs = [
+        runner.Rung(arm, stage.config, (*common, _override("recipe", recipe)))
+        for arm, recipe in stage.arms.items()
+    ]
+    return runner.plan(rungs, list(stage.seeds), None)
+
+
+def stage_root(root: str, stage: Stage) -> str:
+    return os.path.join(root, stage.name)
+
+
+def stage_complete(root: str, stage: Stage) -> bool:
+    return all(runs.is_finished(s.directory(stage_root(root, stage))) for s in stage_specs(stage))
+
+
+def blocked_by(plan: Plan, root: str, stage: Stage) -> str | None:
+    """Why `stage` may not run yet (an earlier stage unfinished, or its gate not passed), else None."""
+    for need in stage.requires:
+        other = plan.stage(need)
+        if not stage_complete(root, other):
+            return f"stage {need} is not complete"
+        if other.gate is not None and not gate_result(root, other)["passed"]:
+            return f"stage {need}'s gate did not pass"
+    return None
+
+
+def _env(stage: Stage, log) -> dict[str, str]:
+    env = dict(os.environ)
+    if stage.backend == "auto":
+        if env.pop(BACKEND_ENV, None) is not None:
+            log(f"study: stage {stage.name} runs back end 'auto': {BACKEND_ENV} is not passed to its runs")
+    else:
+        env[BACKEND_ENV] = stage.backend
+    return env
+
+
+def expected_minutes(spec: runner.RunSpec, directory: str, stage: Stage, measured: dict[str, float]) -> float:
+    """What is left of a run, in minutes: the arm's measured wall time per run (else the plan's
+    run_minutes) times the fraction of steps left, plus a resume's overhead when it already has steps."""
+    full = measured.get(spec.rung.name, stage.run_minutes)
+    done = steps_done(directory)
+    left = max(0.0, 1.0 - done / stage.steps)
+    return full * left + (RESUME_OVERHEAD_MINUTES if done else 0.0)
+
+
+def steps_done(directory: str) -> int:
+    """The steps of a run's newest checkpoint (0 when it has none)."""
+    ckpts = os.path.join(directory, "checkpoints")
+    if not os.path.isdir(ckpts):
+        return 0
+    return max((int(d) for d in os.listdir(ckpts) if d.isdigit()), default=0)
+
+
+def measured_minutes(root: str, stage: Stage) -> dict[str, float]:
+    """{arm: median over its finished runs of the wall time of all their attempts}, in minutes."""
+    walls: dict[str, list[float]] = {}
+    for spec in stage_specs(stage):
+        directory = spec.directory(stage_root(root, stage))
+        record = runs.read_json(os.path.join(directory, "ladder_run.json"))
+        if record and runs.status_of(runs.read_json(runs.summary_path(directory))) in (
+            "reached",
+            "not_reached",
+        ):
+            total = sum(h.get("wall_time_s") or 0.0 for h in record.get("history", []))
+            walls.setdefault(spec.rung.name, []).append(total / 60)
+    return {arm: statistics.median(w) for arm, w in walls.items()}
+
+
+@dataclasses.dataclass
+class _Todo:
+    spec: runner.RunSpec
+    stage: Stage
+    root: str  # the stage's root
+
+
+def run_plan(
+    plan: Plan,
+    root: str,
+    *,
+    budget_minutes: float,
+    parallel: int = 1,
+    gpus: list[str] | None = None,
+    stages: list[str] | None = None,
+    overrides: list[str] = (),
+    log=print,
+    clock=time.monotonic,
+) -> dict[str, dict]:
+    """Runs what is not done of the plan's stages (all, or those named) within the budget; returns
+    {label: summary} of the runs that ended in this call (see the module docstring for the rules)."""
+    if budget_minutes <= 0:
+        raise ValueError(f"--budget-minutes {budget_minutes:g} must be > 0")
+    chosen = [plan.stage(name) for name in stages] if stages else list(plan.stages)
+    deadline = clock() + budget_minutes * 60
+    kind = runner.accelerator_kind()
+    slots = runner._slots(parallel, gpus, 1, kind)
+    done: dict[str, dict] = {}
+    for stage in chosen:
+        reason = blocked_by(plan, root, stage)
+        if reason:
+            log(f"study: stage {stage.name} waits: {reason}")
+            continue
+        sroot = stage_root(root, stage)
+        specs = stage_specs(stage)
+        infos = runner.config_infos(specs, list(overrides))
+        todo = []
+        for spec in specs:
+            if runs.is_finished(spec.directory(sroot)):
+                log(f"study: {stage.name}/{spec.label}: finished before, not rerun")
+            else:
+                todo.append(_Todo(spec, stage, sroot))
+        if not todo:
+            continue
+        done.update(_run_stage(todo, infos, slots, kind, deadline, list(overrides), log, clock))
+        if clock() >= deadline - STOP_MARGIN_S:
+            break
+    left = max(0.0, (deadline - clock()) / 60)
+    log(f"study: this call is done, {left:.1f} of {budget_minutes:g} budget minutes left")
+    return done
+
+
+def _run_stage(todo, infos, slots, kind, deadline, overrides, log, clock) -> dict[str, dict]:
+    stage = todo[0].stage
+    measured = measured_minutes(os.path.dirname(todo[0].root), stage)
+    env = _env(stage, log)
+    running: dict[int, tuple[runner.Job, _Todo]] = {}
+    stopping: dict[int, float] = {}  # slot -> when the budget's SIGTERM was sent
+    done: dict[str, dict] = {}
+    try:
+        while todo or running:
+            now = clock()
+            stop_at = deadline - STOP_MARGIN_S
+            for slot in [i for i in range(len(slots)) if i not in running]:
+                item = _next_fitting(todo, (stop_at - now) / 60, measured, not running, log)
+                if item is None:
+                    break
+                todo.remove(item)
+                job = _start(item, overrides, slots[slot], kind, env)
+                running[slot] = (job, item)
+                where = f" on GPU {','.join(slots[slot])}" if slots[slot] else ""
+                log(f"study: start {stage.name}/{item.spec.label}{where}")
+            if not running:
+                for item in todo:
+                    need = expected_minutes(item.spec, item.spec.directory(item.root), stage, measured)
+                    log(
+                        f"study: {stage.name}/{item.spec.label} left for the next call "
+                        f"(needs ~{need:.1f} min)"
+                    )
+                break
+            for slot, (job, item) in list(running.items()):
+                if clock() >= stop_at and slot not in stopping and job.proc.poll() is None:
+                    job.proc.send_signal(15)  # SIGTERM: the trainer saves a checkpoint and exits
+                    stopping[slot] = clock()
+                    log(
+                        f"study: budget spent, stopping {stage.name}/{item.spec.label} (it saves and resumes)"
+                    )
+                elif slot in stopping and clock() - stopping[slot] > KILL_AFTER_S:
+                    job.proc.kill()
+                code = job.proc.poll()
+                if code is None:
+                    continue
+                del running[slot]
+                summary = _finish(job, code, infos[item.spec], budget_stopped=slot in stopping)
+                stopping.pop(slot, None)
+                if summary is not None:
+                    done[item.spec.label] = summary
+                    log(f"study: {stage.name}/{item.spec.label}: {runner.describe(summary)}")
+            time.sleep(runner.POLL_S)
+    except KeyboardInterrupt:
+        runner.stop_all({slot: job for slot, (job, _) in running.items()}, log)
+        raise
+    return done
+
+
+def _next_fitting(todo: list[_Todo], minutes_left: float, measured, idle: bool, log) -> _Todo | None:
+    """The first run whose expected remaining time fits in `minutes_left`; on an idle machine with nothing
+    fitting, the first run if at least MIN_START_MINUTES are left (the budget will stop it)."""
+    if minutes_left <= 0:
+        return None
+    for item in todo:
+        if expected_minutes(item.spec, item.spec.directory(item.root), item.stage, measured) <= minutes_left:
+            return item
+    return todo[0] if todo and idle and minutes_left >= MIN_START_MINUTES else None
+
+
+def _start(item: _Todo, overrides, gpus, kind, env) -> runner.Job:
+    return runner.start(item.spec, item.root, overrides, gpus, kind, None, env=env)
+
+
+def _finish(job: runner.Job, code: int, info: dict, *, budget_stopped: bool) -> dict | None:
+    """runner.finish, except for a run the budget stopped before it wrote a summary: no summary is derived
+    for it (it stays resumable), and the attempt is recorded as "stopped_by_budget"."""
+    fresh = runner._mtime(runs.summary_path(job.run_dir)) not in (None, job.summary_mtime)
+    if budget_stopped and not fresh:
+        job.log_file.close()
+        runner.record_attempt(job, code, time.monotonic() - job.started, {"status": "stopped_by_budget"})
+        return None
+    return runner.finish(job, code, info)
+
+
+# ------------------------------------------------------------------------------------------- the gate
+
+
+def primary_loss(summary: dict | None, last_evals: int) -> float | None:
+    """The primary metric of a run: the mean eval loss of its last `last_evals` periodic evaluations (None
+    for a run without a final status or with fewer evaluations)."""
+    if runs.status_of(summary) not in ("reached", "not_reached"):
+        return None
+    evals = summary.get("evals") or []
+    if len(evals) < last_evals:
+        return None
+    return statistics.fmean(e[-1] for e in evals[-last_evals:])
+
+
+def local_slope(evals_by_seed: list[list[list]], last_fraction: float = 0.5) -> float | None:
+    """-dL/d(ln T) of the seeds' mean eval curve over the last `last_fraction` of its tokens (a least-squares
+    line in ln T): a loss difference dL at the horizon is a token ratio of exp(dL / slope)."""
+    curves = [{e[2]: e[3] for e in evals} for evals in evals_by_seed if evals]
+    if not curves:
+        return None
+    tokens = sorted(set.intersection(*(set(c) for c in curves)))
+    tokens = [t for t in tokens if t > 0 and t >= (1 - last_fraction) * tokens[-1]] if tokens else []
+    if len(tokens) < 3:
+        return None
+    x = [math.log(t) for t in tokens]
+    y = [statistics.fmean(c[t] for c in curves) for t in tokens]
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum((a - mx) ** 2 for a in x)
+    return -slope
+
+
+def t975(df: int) -> float:
+    return T975[max(k for k in T975 if k <= df)] if df >= 1 else math.inf
+
+
+def gate_result(root: str, stage: Stage) -> dict:
+    """The calibration gate of a stage (stage.gate: arm, against, last_evals, smallest_overhead, sigmas).
+
+    Per seed k the paired difference d_k = L(arm, k) - L(against, k) of the primary metric. The gate passes
+    when `sigmas` standard errors of the mean difference over the stage's seeds, sd(d) / sqrt(n), are at
+    most the loss difference of the smallest token overhead of interest, slope x ln(1 + smallest_overhead),
+    with slope the `against` arm's local -dL/d(ln T) at the horizon (`local_slope`). Equivalently the
+    paired sd may be at most sd_max = slope x ln(1 + smallest_overhead) x sqrt(n) / sigmas. Not passed (and
+    "complete": False) while any run of the two arms lacks its primary metric.
+    """
+    gate = stage.gate
+    sroot = stage_root(root, stage)
+    loss: dict[str, dict[int, float | None]] = {}
+    evals: dict[str, list] = {}
+    for spec in stage_specs(stage):
+        summary = runs.read_json(runs.summary_path(spec.directory(sroot)))
+        loss.setdefault(spec.rung.name, {})[spec.seed] = primary_loss(summary, gate["last_evals"])
+        evals.setdefault(spec.rung.name, []).append((summary or {}).get("evals") or [])
+    a, b = loss[gate["arm"]], loss[gate["against"]]
+    seeds = [s for s in stage.seeds if a.get(s) is not None and b.get(s) is not None]
+    result = {
+        "stage": stage.name,
+        "metric": f"mean eval loss of the last {gate['last_evals']} evaluations",
+        "arm": gate["arm"],
+        "against": gate["against"],
+        "per_seed": {str(s): {gate["arm"]: a.get(s), gate["against"]: b.get(s)} for s in stage.seeds},
+        "complete": len(seeds) == len(stage.seeds),
+        "passed": False,
+    }
+    n = len(seeds)
+    if n < 2:
+        return result
+    diffs = [a[s] - b[s] for s in seeds]
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    slope = local_slope(evals[gate["against"]])
+    unpaired = {
+        arm: statistics.stdev([loss[arm][s] for s in seeds]) for arm in (gate["arm"], gate["against"])
+    }
+    result.update(
+        differences={str(s): d for s, d in zip(seeds, diffs, strict=True)},
+        mean_difference=mean,
+        paired_sd=sd,
+        unpaired_sd=unpaired,
+        ci95=[mean - t975(n - 1) * sd / math.sqrt(n), mean + t975(n - 1) * sd / math.sqrt(n)],
+        slope=slope,
+    )
+    if slope is None or slope <= 0:
+        result["why"] = "the baseline's curve has no falling tail to convert losses to tokens"
+        return result
+    smallest = slope * math.log1p(gate["smallest_overhead"])
+    sd_max = smallest * math.sqrt(n) / gate["sigmas"]
+    result.update(
+        smallest_loss_difference=smallest,
+        paired_sd_max=sd_max,
+        token_ratio=math.exp(mean / slope),
+        token_ratio_ci95=[math.exp(x / slope) for x in result["ci95"]],
+        passed=result["complete"] and sd <= sd_max,
+    )
+    return result

@@ -1,0 +1,142 @@
+"""The study's plan file and its budgeted, resumable runner, with a fake trainer (a script that writes a
+summary, or waits for SIGTERM and writes a "preempted" one): a second call runs nothing, a run the budget
+stops is resumed by the next call, the gate's arithmetic, and one-line errors for bad plans."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from fp4jax.study import plan, runner, runs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
+TINY_PLAN = """
+name = "tiny"
+[[stages]]
+name = "gate"
+design = "scratch_paired"
+config = "configs/tiny_c4_h16.py"
+baseline = "a"
+seeds = [0, 1]
+steps = 4
+warmup_steps = 1
+peak_lr = 1e-3
+backend = "auto"
+run_minutes = 0.01
+[stages.arms]
+a = "fp8"
+b = "mxfp4_full"
+[stages.gate]
+arm = "b"
+against = "a"
+last_evals = 2
+smallest_overhead = 0.05
+sigmas = 2.0
+"""
+# A trainer that finishes at once: evals falling as 5 - ln(tokens) / 10, arm b 0.01 nats higher.
+FINISHER = """
+import json, math, os, sys
+workdir = sys.argv[sys.argv.index("--workdir") + 1]
+b = any(a == "--config.recipe=mxfp4_full" for a in sys.argv)
+evals = [[s, s, 1000 * s, 5 - math.log(1000 * s) / 10 + (0.01 if b else 0)] for s in (1, 2, 3, 4)]
+with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump({"status": "not_reached", "steps": 4, "evals": evals}, f)
+"""
+# A trainer that runs until SIGTERM, then saves "checkpoint 2" and a preempted summary.
+WAITER = """
+import json, os, signal, sys, time
+workdir = sys.argv[sys.argv.index("--workdir") + 1]
+def stop(*_):
+    os.makedirs(os.path.join(workdir, "checkpoints", "2"), exist_ok=True)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump({"status": "preempted", "steps": 2}, f)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def tiny_plan(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_PLAN)
+    return plan.load_plan(str(path))
+
+
+def _fake(monkeypatch, script):
+    monkeypatch.setattr(
+        runner.RunSpec, "argv", lambda self, root, o: [sys.executable, "-c", script, *self.argv_real(root, o)]
+    )
+
+
+@pytest.fixture(autouse=True)
+def keep_real_argv(monkeypatch):
+    monkeypatch.setattr(runner.RunSpec, "argv_real", runner.RunSpec.argv, raising=False)
+
+
+def test_the_committed_plan_loads_with_the_gate_first():
+    p = plan.load_plan(PLAN)
+    gate = p.stages[0]
+    assert gate.name == "calibration" and gate.arms == {"fp8": "fp8_mlperf", "full": "mxfp4_full"}
+    assert (gate.seeds, gate.steps, gate.warmup_steps, gate.backend) == ((0, 1, 2), 1000, 100, "auto")
+    assert p.stages[1].requires == ("calibration",) and len(p.stages[1].arms) == 10
+    labels = [s.label for s in plan.stage_specs(gate)]
+    assert labels == ["fp8/seed0", "full/seed0", "fp8/seed1", "full/seed1", "fp8/seed2", "full/seed2"]
+
+
+def test_a_second_call_runs_nothing_and_the_gate_reads_the_runs(tiny_plan, tmp_path, monkeypatch):
+    _fake(monkeypatch, FINISHER)
+    root = str(tmp_path / "runs")
+    done = plan.run_plan(tiny_plan, root, budget_minutes=5, log=lambda line: None)
+    assert sorted(done) == ["a/seed0", "a/seed1", "b/seed0", "b/seed1"]
+    lines = []
+    assert plan.run_plan(tiny_plan, root, budget_minutes=5, log=lines.append) == {}
+    assert sum("not rerun" in line for line in lines) == 4 and not any("start" in line for line in lines)
+    gate = plan.gate_result(root, tiny_plan.stage("gate"))
+    assert gate["complete"] and gate["mean_difference"] == pytest.approx(0.01) and gate["paired_sd"] < 1e-12
+    assert gate["slope"] == pytest.approx(0.1) and gate["passed"]
+    assert gate["paired_sd_max"] == pytest.approx(0.1 * math.log(1.05) * math.sqrt(2) / 2)
+
+
+def test_the_budget_stops_a_run_with_a_checkpoint_and_the_next_call_resumes_it(
+    tiny_plan, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(plan, "STOP_MARGIN_S", 0)
+    monkeypatch.setattr(plan, "MIN_START_MINUTES", 0.0)
+    _fake(monkeypatch, WAITER)
+    root = str(tmp_path / "runs")
+    lines = []
+    done = plan.run_plan(tiny_plan, root, budget_minutes=0.05, log=lines.append)  # 3 s
+    assert [s["status"] for s in done.values()] == ["preempted"], lines
+    first = os.path.join(root, "gate", "a", "seed0")
+    assert plan.steps_done(first) == 2 and not runs.is_finished(first)
+    assert any("left for the next call" in line for line in lines), lines
+    _fake(monkeypatch, FINISHER)
+    done = plan.run_plan(tiny_plan, root, budget_minutes=5, log=lambda line: None)
+    assert "a/seed0" in done and runs.is_finished(first)
+    record = json.loads(open(os.path.join(first, "ladder_run.json")).read())
+    assert record["attempts"] == 2 and [h["status"] for h in record["history"]] == [
+        "preempted",
+        "not_reached",
+    ]
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (('design = "scratch_paired"', 'design = "branch"'), "design 'branch' is not one of"),
+        (('backend = "auto"', 'backend = "fast"'), "backend 'fast' is not one of"),
+        (('baseline = "a"', 'baseline = "c"'), "includes the baseline"),
+        (("run_minutes = 0.01", "run_minutes = 0.01\nhorizon = 3"), "unknown keys ['horizon']"),
+    ],
+)
+def test_bad_plans_are_one_line_errors(tmp_path, edit, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(TINY_PLAN.replace(*edit))
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
+        plan.load_plan(str(path))
+    assert "\n" not in str(info.value)
