@@ -455,3 +455,25 @@ def test_fp8_epilogue_tests_without_triton():
     _run_with_triton_gemms(
         "false", "writes_bfloat16_with or bfloat16_output_accumulates", [__file__], passed=4
     )
+
+
+def test_the_run_trains_with_the_recipe_the_environment_resolves(fresh_auto):
+    """training.setup's edge: the config's preset, its fp8_scaling, then the environment's overrides; what
+    the run's summary records as `execution`."""
+    import ml_collections
+
+    from fp4jax.ops import resolve_recipe
+    from fp4jax.training import setup
+
+    fresh_auto.setattr(jax, "devices", lambda *a: [_device("cpu", "cpu")])
+    config = ml_collections.ConfigDict({"recipe": "mxfp4_full_h16", "fp8_scaling": "delayed"})
+    recipe, execution = setup.resolve_run_execution(config, {})
+    assert recipe == resolve_recipe("mxfp4_full_h16", "delayed")  # "auto" stays: resolved once, cached
+    assert execution.as_dict() == {
+        "backend": "emulate",
+        "backend_reason": "auto: cpu: no GPU matrix cores to use",
+        "quantizer": "auto",
+        "quantizer_runs": "reference (the Pallas kernels run on one NVIDIA GPU only)",
+    }
+    recipe, execution = setup.resolve_run_execution(config, {"FP4JAX_QUANTIZE_IMPL": "xla"})
+    assert recipe.quantizer == execution.quantizer == "xla" and execution.quantizer_runs == "xla"

@@ -47,12 +47,12 @@ def _quantizer_runs(quantizer: str) -> str:
 def resolve_execution(
     recipe: str | Recipe, *, backend: str | None = None, quantizer: str | None = None, source: str = "recipe"
 ) -> tuple[Recipe, Execution]:
-    """(the recipe with its back end resolved and the overrides applied, what that runs here).
+    """(the recipe with the overrides applied, what it runs with here).
 
     backend / quantizer (None: the recipe's own) override the recipe's fields; `source` names where an
-    override came from, for the one-line error of a back end that cannot run here. "auto" becomes the
-    device's back end (probes.auto_choice, logged once). Bits do not depend on the result except
-    through the back end's documented differences (docs/numerics.md).
+    override came from, for the one-line error of a back end that cannot run here. A back end of "auto"
+    stays "auto" in the recipe (so a preset stays equal to itself): it is resolved here, once per
+    process (probes.auto_choice, cached and logged once), and the traced GEMMs get that same answer.
     """
     recipe = get_recipe(recipe)
     recipe = dataclasses.replace(
@@ -66,4 +66,4 @@ def resolve_execution(
         resolved, reason = recipe.backend, f"set by {source}" if backend else "set by the recipe"
     probes.run_probes(resolved)
     execution = Execution(resolved, reason, recipe.quantizer, _quantizer_runs(recipe.quantizer))
-    return dataclasses.replace(recipe, backend=resolved), execution
+    return recipe, execution

@@ -18,7 +18,7 @@ middle axis (column-wise), whichever needs no copy of it (`to_gemm_view`): x (B,
 Fprop and column-wise in Wgrad, a Dense kernel W (B, K, N) column-wise in Fprop and row-wise in Dgrad, dy
 row-wise in Dgrad and column-wise in Wgrad. The reference path moves the contraction last, rotates
 (rotation.rotate_blocks) and quantizes (quantize.quantize_mx); where the Pallas kernels run (one NVIDIA
-GPU) or FP4JAX_QUANTIZE_IMPL=xla asks for it, an MX operand is instead rotated and quantized in one pass
+GPU) or Recipe.quantizer="xla" asks for it, an MX operand is instead rotated and quantized in one pass
 by fused_quantize.rotate_quantize, which reads a column-wise operand in place and, for the fp8 back end,
 writes it already folded (`_fused_impl`).
 """
