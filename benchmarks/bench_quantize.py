@@ -1,16 +1,16 @@
 """Fused rotate+quantize(+fold) against the reference XLA path: effective TB/s and bit-equality, on GPU.
 
     PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
-        [--tiles mx-row=32x256x4,...] [--sweep | --access | --column-parts 0,8,16,32] [--out FILE.md]
+        [--tiles mx_row=32x256x4,...] [--sweep | --access | --column-parts 0,8,16,32] [--out FILE.md]
 
 For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
-the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: contract B's E4M3 +
-int32 row exponents), it times
+the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: the fp8 back end's
+folded operand, E4M3 + int32 row exponents), it times
 
   reference  what quantized_dot runs today: rotation.rotate_blocks (a float32 matmul), quantize_mx,
              and fold_mx_to_fp8 for fp8_fold (the column layout swaps axes first),
   xla        fused_quantize's XLA formulation,
-  pallas     fused_quantize's Triton kernels,
+  pallas     fused_quantize's Triton kernels (under one KernelConfig: the default, or --tiles),
 
 timed with harness.amortized_seconds (`--iters` back-to-back calls, one wait, median of 5), cycling over
 three different inputs so that nothing stays in L2; `kernels` counts the compiled program's kernels.
@@ -24,6 +24,7 @@ differently, so H16 rows may differ in a few elements; rows without rotation mus
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import traceback
 
@@ -31,12 +32,8 @@ import harness  # benchmarks/harness.py: timing, headings, output (this folder i
 import jax
 import jax.numpy as jnp
 
-from fp4jax.ops import quantize
-from fp4jax.ops.kernels import fold
-from fp4jax.ops.kernels import fused_quantize as fq
-from fp4jax.ops.kernels import fused_quantize_pallas as kernels
-from fp4jax.ops.recipes import QuantSpec, RotationSpec
-from fp4jax.ops.rotation import rotate_blocks
+from fp4jax import ops
+from fp4jax.ops import KernelConfig, QuantSpec, RotationSpec, Tile, quantize
 
 SPEC = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
 ROTATIONS = {"none": RotationSpec(), "H16": RotationSpec(kind="deterministic", size=16)}
@@ -53,22 +50,24 @@ def _reference_fn(axis: int, rotation: RotationSpec, out: str, rotate):
         mx = quantize.quantize_mx(
             v, axis=-1, elem=SPEC.elem, block_size=SPEC.block_size, scale_mode=SPEC.scale_mode
         )
-        return mx if out == "mx" else fold.fold_mx_to_fp8(mx)
+        return mx if out == "mx" else ops.fold_mx_to_fp8(mx)
 
     return jax.jit(run)
 
 
 def _matmul_rotate(v, size):
-    return rotate_blocks(v, axis=-1, size=size)
+    return ops.rotate_blocks(v, axis=-1, size=size)
 
 
 def _butterfly_rotate(v, size):
-    return fq.hadamard_rotate(v.astype(jnp.float32).reshape(-1, v.shape[-1]), size).reshape(v.shape)
+    return ops.hadamard_rotate(v.astype(jnp.float32).reshape(-1, v.shape[-1]), size).reshape(v.shape)
 
 
-def _fused_fn(axis: int, rotation: RotationSpec, out: str, impl: str):
+def _fused_fn(axis: int, rotation: RotationSpec, out: str, impl: str, config: KernelConfig = KernelConfig()):
     def run(x):
-        return fq.rotate_quantize(x, axis=axis, spec=SPEC, rotation=rotation, out=out, impl=impl)
+        return ops.rotate_quantize(
+            x, axis=axis, spec=SPEC, rotation=rotation, out=out, impl=impl, config=config
+        )
 
     return jax.jit(run)
 
@@ -120,30 +119,34 @@ def _copy_row(inputs, iters: int) -> tuple:
     return (f"{m}x{k}", "-", "-", "-", "copy x*2", seconds * 1e6, ceiling, "", "", 1)
 
 
-def run(shapes, iters: int, impls: list[str]) -> list[tuple]:
+OUTPUTS = ("mx", "fp8_fold")
+
+
+def run(shapes, iters: int, impls: list[str], config: KernelConfig) -> list[tuple]:
     rows = []
     for m, k in shapes:
         inputs = _activation_like(m, k)
         rows.append(_copy_row(inputs, iters))
         for rot_name, rotation in ROTATIONS.items():
             for layout, axis in (("row", -1), ("col", -2)):
-                for out in fq.OUTPUTS:
-                    rows += _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls)
+                for out in OUTPUTS:
+                    case = (inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls, config)
+                    rows += _one_case(*case)
     return rows
 
 
-def _candidates(axis, rotation, out, impls):
+def _candidates(axis, rotation, out, impls, config):
     """The implementations to time for one case, by name (those that apply to it)."""
     found = {"reference": _reference_fn(axis, rotation, out, _matmul_rotate)}
     found["xla"] = _fused_fn(axis, rotation, out, "xla")
-    found["pallas"] = _fused_fn(axis, rotation, out, "pallas")
+    found["pallas"] = _fused_fn(axis, rotation, out, "pallas", config)
     return {name: fn for name, fn in found.items() if name == "reference" or name in impls}
 
 
-def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls):
+def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls, config):
     rows = []
     same_rotation = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
-    candidates = _candidates(axis, rotation, out, impls)
+    candidates = _candidates(axis, rotation, out, impls, config)
     literal = candidates["reference"](inputs[0])
     for impl, fn in candidates.items():
         kernels_run = 0
@@ -166,15 +169,30 @@ def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls)
     return rows
 
 
-# Candidate Pallas tiles for --sweep (the first is the default in fused_quantize_pallas.TILES); a fold
-# entry "via_mx" or "one_pass" times that fold method (fused_quantize_pallas.FOLD_METHOD) instead, and a
-# tile a "two_pass" fold. --access times the kernels' memory accesses.
+# The fold of rows that fit one pass (KernelConfig.one_pass_max_row), sent via the mx kernel instead.
+VIA_MX = {"one_pass_max_row_rotated": 0, "one_pass_max_row_unrotated": 0}
+
+# Candidates for --sweep, per (out, column layout): (name, KernelConfig changes); the first of each is
+# the default. The fold's candidates are its two methods and the tiles of the fold through mx.
 SWEEP = {
-    ("mx", False): [(32, 256, 4), (64, 256, 8), (16, 512, 4)],
-    ("mx", True): [(16, 256, 8), (32, 128, 8), (16, 256, 4)],  # also the column-parts sweep's
-    ("fp8_fold", False): ["one_pass", "via_mx", (8, 512, 4), (8, 512, 8), (4, 1024, 4), (16, 256, 4)],
-    ("fp8_fold", True): ["via_mx", (16, 256, 8), (32, 128, 8)],
+    ("mx", False): [("mx_row", t) for t in ((32, 256, 4), (64, 256, 8), (16, 512, 4))],
+    ("mx", True): [("mx_column", t) for t in ((16, 256, 8), (32, 128, 8), (16, 256, 4))],
+    ("fp8_fold", False): [("one_pass", None), ("via_mx", None)]
+    + [("fold_from_mx", t) for t in ((16, 256, 8), (32, 512, 8))],
+    ("fp8_fold", True): [("fold_from_mx", t) for t in ((32, 256, 8), (16, 256, 8), (32, 512, 8))],
 }
+
+
+def _sweep_config(base: KernelConfig, field: str, tile) -> tuple[str, KernelConfig]:
+    """(row name, config) of one --sweep candidate."""
+    if field == "one_pass":
+        return "pallas one_pass", base
+    if field == "via_mx":
+        return "pallas via_mx", dataclasses.replace(base, **VIA_MX)
+    changes = {field: Tile(*tile)}
+    if field == "fold_from_mx" and tile is not None:
+        changes.update(VIA_MX)  # a row fold reaches the fold_from_mx kernel only via mx
+    return f"pallas {field} " + "x".join(map(str, tile)), dataclasses.replace(base, **changes)
 
 
 def _time_candidate(fn, inputs, want, m, k, out, iters):
@@ -187,46 +205,35 @@ def _time_candidate(fn, inputs, want, m, k, out, iters):
         return float("nan"), float("nan"), f"FAILED {type(e).__name__}"
 
 
-def sweep(m: int, k: int, iters: int) -> list[tuple]:
-    """Times each candidate tile / fold method of each Pallas kernel (H16, one shape), then restores."""
+def sweep(m: int, k: int, iters: int, base: KernelConfig) -> list[tuple]:
+    """Times each candidate tile / fold method of each Pallas kernel (H16, one shape)."""
     rows = []
     inputs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in jax.random.split(jax.random.key(1), 3)]
     rotation = ROTATIONS["H16"]
     for (out, column), candidates in SWEEP.items():
         axis, layout = (-2, "col") if column else (-1, "row")
-        default_tile, default_method = kernels.TILES[out, column], kernels.FOLD_METHOD[column]
         want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
-        for candidate in candidates:
-            if candidate in ("via_mx", "one_pass"):
-                kernels.FOLD_METHOD[column], name = candidate, "pallas " + candidate
-            else:
-                kernels.FOLD_METHOD[column] = "two_pass" if out == "fp8_fold" else default_method
-                kernels.TILES[out, column] = kernels.Tile(*candidate)
-                name = "pallas " + "x".join(map(str, candidate))
-            fq._rotate_quantize.clear_cache()  # tiles and methods are read when the kernel is traced
-            fn = _fused_fn(axis, rotation, out, "pallas")
+        for field, tile in candidates:
+            name, config = _sweep_config(base, field, tile)
+            fn = _fused_fn(axis, rotation, out, "pallas", config)
             seconds, tbs, same = _time_candidate(fn, inputs, want, m, k, out, iters)
             rows.append((f"{m}x{k}", "H16", layout, out, name, seconds * 1e6, tbs, same, "", 0))
-            print(f"sweep {m}x{k} {layout} {out:8s} {name:18s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s")
-        kernels.TILES[out, column], kernels.FOLD_METHOD[column] = default_tile, default_method
-        fq._rotate_quantize.clear_cache()
+            print(f"sweep {m}x{k} {layout} {out:8s} {name:28s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s")
     return rows
 
 
-# --access: how the parts of a tile move through memory (fused_quantize_pallas.SPLIT_LOADS per kernel,
-# JOINED_STORES); the column layout's loads are contiguous whatever SPLIT_LOADS says.
+# --access: how the parts of a tile are loaded (KernelConfig.split_loads for the mx kernel,
+# one_pass_split_loads for the one-pass fold); the column layout's loads are contiguous either way.
 MEMORY_ACCESS = {
-    "strided": ({"mx": False, "one_pass": False}, False),
-    "joined stores": ({"mx": False, "one_pass": False}, True),
-    "split loads": ({"mx": True, "one_pass": True}, False),
-    "split + joined": ({"mx": True, "one_pass": True}, True),
+    "strided loads": {"split_loads": False, "one_pass_split_loads": False},
+    "split loads": {"split_loads": True, "one_pass_split_loads": True},
 }
 
 
-def access_sweep(shapes, iters: int) -> list[tuple]:
+def access_sweep(shapes, iters: int, base: KernelConfig) -> list[tuple]:
     """Every memory access x fold method of the Pallas kernels, per shape, rotation and layout (the inputs
-    of `run`), each checked bit for bit against the reference with the shared rotation; then restores."""
-    rows, defaults = [], (dict(kernels.SPLIT_LOADS), kernels.JOINED_STORES, dict(kernels.FOLD_METHOD))
+    of `run`), each checked bit for bit against the reference with the shared rotation."""
+    rows = []
     for m, k in shapes:
         inputs = _activation_like(m, k)
         rows.append(_copy_row(inputs, iters))
@@ -235,55 +242,59 @@ def access_sweep(shapes, iters: int) -> list[tuple]:
         ):
             methods = [("mx", "")] + [("fp8_fold", "via_mx")] + [("fp8_fold", "one_pass")] * (axis == -1)
             for out, method in methods:
-                kernels.FOLD_METHOD[axis == -2] = method or defaults[2][axis == -2]
-                case = (inputs, m, k, rot_name, rotation, layout, axis, out, method, iters)
+                config = dataclasses.replace(base, **VIA_MX) if method == "via_mx" else base
+                case = (inputs, m, k, rot_name, rotation, layout, axis, out, method, iters, config)
                 rows += _access_rows(*case)
-    kernels.SPLIT_LOADS, kernels.JOINED_STORES = defaults[0], defaults[1]
-    kernels.FOLD_METHOD.update(defaults[2])
-    fq._rotate_quantize.clear_cache()
     return rows
 
 
-def _access_rows(inputs, m, k, rot_name, rotation, layout, axis, out, method, iters) -> list[tuple]:
+def _access_rows(inputs, m, k, rot_name, rotation, layout, axis, out, method, iters, base) -> list[tuple]:
     rows = []
     want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
-    for access, (split, joined) in MEMORY_ACCESS.items():
-        if axis == -2 and access.startswith("split"):
+    for access, changes in MEMORY_ACCESS.items():
+        if axis == -2 and access == "split loads":
             continue  # column tiles: the same kernels as without split loads
-        kernels.SPLIT_LOADS, kernels.JOINED_STORES = dict(split), joined
-        fq._rotate_quantize.clear_cache()  # read when the kernel is traced
-        seconds, tbs, same = _time_candidate(
-            _fused_fn(axis, rotation, out, "pallas"), inputs, want, m, k, out, iters
-        )
+        fn = _fused_fn(axis, rotation, out, "pallas", dataclasses.replace(base, **changes))
+        seconds, tbs, same = _time_candidate(fn, inputs, want, m, k, out, iters)
         name = f"pallas {method + ', ' if method else ''}{access}"
         rows.append((f"{m}x{k}", rot_name, layout, out, name, seconds * 1e6, tbs, same, "", 0))
         print(f"{m}x{k} {rot_name:4s} {layout} {out:8s} {name:30s} {seconds * 1e6:9.1f} us", flush=True)
     return rows
 
 
-def column_parts_sweep(m: int, k: int, iters: int, sizes: list[int]) -> list[tuple]:
-    """Times the unrotated column-wise kernels (mx, and the fold through it) for each COLUMN_PARTS size
-    (0: the whole tile transposed) and each candidate column tile, then restores the defaults."""
+def column_parts_sweep(m: int, k: int, iters: int, sizes: list[int], base: KernelConfig) -> list[tuple]:
+    """Times the unrotated column-wise kernels (mx, and the fold through it) for each column_parts size
+    (0: the whole tile transposed) and each candidate column tile."""
     rows = []
     inputs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in jax.random.split(jax.random.key(2), 3)]
     rotation = ROTATIONS["none"]
-    default_parts, defaults = kernels.COLUMN_PARTS, dict(kernels.TILES)
-    for out in fq.OUTPUTS:
+    for out in OUTPUTS:
         want = _reference_fn(-2, rotation, out, _butterfly_rotate)(inputs[0])
         for size in sizes:
-            for tile in SWEEP["mx", True]:
-                kernels.COLUMN_PARTS = size
-                kernels.TILES["mx", True] = kernels.TILES["mx_unrotated", True] = kernels.Tile(*tile)
-                fq._rotate_quantize.clear_cache()  # both are read when the kernel is traced
-                fn = _fused_fn(-2, rotation, out, "pallas")
+            for _, tile in SWEEP["mx", True]:
+                config = dataclasses.replace(
+                    base, column_parts=size, mx_column=Tile(*tile), mx_column_unrotated=Tile(*tile)
+                )
+                fn = _fused_fn(-2, rotation, out, "pallas", config)
                 seconds, tbs, same = _time_candidate(fn, inputs, want, m, k, out, iters)
                 name = f"parts {size} tile {'x'.join(map(str, tile))}"
                 rows.append((f"{m}x{k}", "none", "col", out, name, seconds * 1e6, tbs, same, "", 0))
                 print(f"parts {m}x{k} col {out:8s} {name:24s} {seconds * 1e6:9.1f} us {tbs:6.2f} TB/s {same}")
-    kernels.COLUMN_PARTS = default_parts
-    kernels.TILES.update(defaults)
-    fq._rotate_quantize.clear_cache()
     return rows
+
+
+TILE_FIELDS = [f.name for f in dataclasses.fields(KernelConfig) if f.type in (Tile, "Tile")]
+
+
+def config_from_tiles(text: str) -> KernelConfig:
+    """KernelConfig with --tiles overrides: comma-separated FIELD=ROWSxCOLSxWARPS (FIELD in TILE_FIELDS)."""
+    changes = {}
+    for item in filter(None, text.split(",")):
+        name, dims = item.split("=")
+        if name not in TILE_FIELDS:
+            raise SystemExit(f"unknown tile {name!r} in --tiles: use one of {', '.join(TILE_FIELDS)}")
+        changes[name] = Tile(*(int(v) for v in dims.split("x")))
+    return dataclasses.replace(KernelConfig(), **changes)
 
 
 def to_markdown(rows, command: str) -> str:
@@ -318,8 +329,8 @@ def main():
     parser.add_argument(
         "--tiles",
         default="",
-        help="Pallas tile overrides, e.g. mx-row=32x256x4,mx-col=16x256x8,fp8_fold-row=8x512x4 "
-        "(rows x cols x warps; see fused_quantize_pallas.TILES)",
+        help="Pallas tile overrides, e.g. mx_row=32x256x4,mx_column=16x256x8 "
+        "(rows x cols x warps; the Tile fields of fp4jax.ops.KernelConfig)",
     )
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument("--sweep", action="store_true", help="only time candidate Pallas tiles (first shape)")
@@ -331,27 +342,24 @@ def main():
     parser.add_argument(
         "--column-parts",
         default="",
-        help="only time the unrotated column kernels for these COLUMN_PARTS sizes, e.g. 0,8,16,32 "
+        help="only time the unrotated column kernels for these column_parts sizes, e.g. 0,8,16,32 "
         "(first shape; 0 = whole-tile transpose), each with the candidate column tiles",
     )
     args = parser.parse_args()
-    for item in filter(None, args.tiles.split(",")):
-        name, dims = item.split("=")
-        out, layout = name.rsplit("-", 1)
-        rows, cols, warps = (int(v) for v in dims.split("x"))
-        kernels.TILES[out, layout == "col"] = kernels.Tile(rows, cols, warps)
+    config = config_from_tiles(args.tiles)
     shapes = [_pair(s) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
     if args.column_parts:
         sizes = [int(v) for v in args.column_parts.split(",")]
-        rows = column_parts_sweep(*shapes[0], args.iters, sizes)
+        rows = column_parts_sweep(*shapes[0], args.iters, sizes, config)
     elif args.access:
-        rows = access_sweep(shapes, args.iters)
+        rows = access_sweep(shapes, args.iters, config)
+    elif args.sweep:
+        rows = sweep(*shapes[0], args.iters, config)
     else:
-        rows = sweep(*shapes[0], args.iters) if args.sweep else run(shapes, args.iters, impls)
+        rows = run(shapes, args.iters, impls, config)
     tiles = ",".join(
-        f"{out}-{'col' if column else 'row'}={t.rows}x{t.cols}x{t.warps}"
-        for (out, column), t in kernels.TILES.items()
+        f"{name}={'x'.join(map(str, dataclasses.astuple(getattr(config, name))))}" for name in TILE_FIELDS
     )
     command = f"python benchmarks/bench_quantize.py --shapes {args.shapes} --iters {args.iters}"
     command += f" --impls {args.impls}"

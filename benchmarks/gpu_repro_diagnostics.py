@@ -55,7 +55,7 @@ def _record_without_perturb(next_fun, args, kwargs, context):
     if not (isinstance(module, diag.QuantDotGeneral) and context.method_name == "__call__"):
         return next_fun(*args, **kwargs)
     lhs, rhs, dimension_numbers = args[:3]
-    lhs_layout, rhs_layout = diag.operand_layouts(lhs.shape, rhs.shape, diag._dims(dimension_numbers))
+    lhs_layout, rhs_layout = diag.operand_layouts(lhs.shape, rhs.shape, dimension_numbers)
     module.sow(diag._OPERANDS, "x", diag.to_bfc(lhs, lhs_layout))
     module.sow(diag._OPERANDS, "w", diag.to_bfc(rhs, rhs_layout))
     return next_fun(*args, **kwargs)

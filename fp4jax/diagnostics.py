@@ -8,10 +8,11 @@ Method (docs/diagnostics.md):
      `nn.intercept_methods` on `QuantDotGeneral` (sow for x and W, a zero perturbation of the output for
      dy), already in mx_dot_general's canonical (batch, free, contraction) layout. The model runs with
      scan_layers=False (same params, unstacked), so each block is its own module.
-  2. Recompute. Each GEMM is re-run from those operands exactly as mx_dot_general runs it for the
-     recipe's GemmSpec (pad, rotate both operands, quantize along the contraction axis, float32
-     accumulation, `emulate` back end), and compared with the exact GEMM of the same unrotated operands
-     (exact products summed in float32: `reference_output`):
+  2. Recompute. Each GEMM is re-run from those operands by mx_dot_general's own per-GEMM functions
+     (quantized_dot.rotated_gemm_operands: pad, rotate both operands, quantize along the contraction
+     axis; multiply_gemm_operands: float32 accumulation on the `emulate` back end), and compared with
+     the exact GEMM of the same unrotated operands (exact products summed in float32:
+     `reference_output`):
 
         GEMM    operands (a, c)    contraction   output
         fprop   x, W               K             y  = x W
@@ -26,11 +27,12 @@ operand (named x, w, dy), measured in the basis the GEMM quantizes in (after the
 rotated unquantized operand): rel_err, cos, flush (fraction of non-zero inputs that quantize to 0), sat
 (fraction of non-zero inputs beyond the element range: |x| > max_elem * 2^e for MX, |x * scale| > max
 for FP8), exp_min / exp_max (block scale exponents of non-zero MX blocks), fold_flush (E2M1 MX only:
-fraction of non-zero blocks the Hopper FP8 fold would flush, contract B). For GEMMs that draw random
-numbers (stochastic rounding, random Hadamard signs), over n_draws draws: out_bias_rel = ||mean - ref||
-/ ||ref||, out_bias_se = sqrt(sum var / n) / ||ref|| (the value out_bias_rel takes when the rounding is
-unbiased: the noise floor of the mean of n draws), out_bias_net = sqrt(max(out_bias_rel^2 -
-out_bias_se^2, 0)) (the bias with that noise floor removed), out_var_rel = sum var / ||ref||^2.
+fraction of non-zero blocks the fp8 back end's fold into E4M3 rows would flush, fold.py). For GEMMs
+that draw random numbers (stochastic rounding, random Hadamard signs), over n_draws draws:
+out_bias_rel = ||mean - ref|| / ||ref||, out_bias_se = sqrt(sum var / n) / ||ref|| (the value
+out_bias_rel takes when the rounding is unbiased: the noise floor of the mean of n draws),
+out_bias_net = sqrt(max(out_bias_rel^2 - out_bias_se^2, 0)) (the bias with that noise floor removed),
+out_var_rel = sum var / ||ref||^2.
 
 Delayed FP8 scaling is measured with current scaling (the probe has no amax history).
 """
@@ -48,13 +50,21 @@ from flax import traverse_util
 
 from fp4jax import xla_flags
 from fp4jax.models.llama import Llama, LlamaConfig, block_segments, unstack_layer_params
-from fp4jax.ops import quantize
-from fp4jax.ops.flax_adapters import QuantDotGeneral
-from fp4jax.ops.formats import get_elem_format
-from fp4jax.ops.kernels import backends, fold
-from fp4jax.ops.quantized_dot import operand_layouts, quantize_operand, to_bfc
-from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, get_recipe
-from fp4jax.ops.rotation import random_signs, rotate_blocks
+from fp4jax.ops import (
+    GemmSpec,
+    QuantDotGeneral,
+    QuantSpec,
+    Recipe,
+    count_fold_flushes,
+    get_elem_format,
+    get_recipe,
+    is_foldable,
+    ldexp_exact,
+    multiply_gemm_operands,
+    operand_layouts,
+    rotated_gemm_operands,
+    to_bfc,
+)
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}  # mx_dot_general folds its key with this per GEMM
@@ -82,18 +92,13 @@ class LayerOperands:
     dy: jax.Array
 
 
-def _dims(dimension_numbers):
-    (lc, rc), (lb, rb) = dimension_numbers
-    return (tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb)))
-
-
 def _record_operands(next_fun, args, kwargs, context):
     """Interceptor: records each QuantDotGeneral call's operands and tags its output for dy."""
     module = context.module
     if not (isinstance(module, QuantDotGeneral) and context.method_name == "__call__"):
         return next_fun(*args, **kwargs)
     lhs, rhs, dimension_numbers = args[:3]
-    lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, _dims(dimension_numbers))
+    lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dimension_numbers)
     module.sow(_OPERANDS, "x", to_bfc(lhs, lhs_layout))
     module.sow(_OPERANDS, "w", to_bfc(rhs, rhs_layout))
     return module.perturb("y", next_fun(*args, **kwargs), collection=_COTANGENTS)
@@ -176,48 +181,10 @@ def gemm_operands(ops: LayerOperands, gemm: str) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"unknown GEMM {gemm!r}: use one of {', '.join(GEMMS)}")
 
 
-def quantize_gemm(a: jax.Array, c: jax.Array, gemm: GemmSpec, key) -> tuple[Any, Any, Any, Any]:
-    """(a_used, c_used, qa, qc): the operands padded and rotated as the GEMM uses them, and quantized.
-
-    Mirrors mx_dot_general's per-GEMM step, key derivation included: `key` is the GEMM's key (the call
-    key folded with GEMM_INDEX), split into (rotation, a, c). An unquantized operand is its own qa; a
-    prescaled MX operand represents prescale * a_used.
-    """
-    pad = -a.shape[-1] % gemm.contraction_multiple
-    if pad:
-        a = jnp.pad(a, ((0, 0), (0, 0), (0, pad)))
-        c = jnp.pad(c, ((0, 0), (0, 0), (0, pad)))
-    rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
-    rotation = gemm.rotation
-    if rotation.kind != "none":
-        signs = None
-        if rotation.kind == "random":
-            sign_key = jax.random.key(rotation.seed) if rotation.signs == "per_run" else rotation_key
-            signs = random_signs(sign_key, rotation.size)
-        a = rotate_blocks(a, axis=-1, size=rotation.size, signs=signs)
-        c = rotate_blocks(c, axis=-1, size=rotation.size, signs=signs)
-    # fp8_scale=None: current scaling; a delayed-FP8 recipe is measured without its amax history.
-    quantized = (
-        quantize_operand(a, gemm.lhs, a_key, None),
-        quantize_operand(c, gemm.rhs, c_key, None),
-    )
-    return a, c, *quantized
-
-
-def _multiply(qa, qc, gemm: GemmSpec) -> jax.Array:
-    """The quantized product as mx_dot_general forms it: HIGHEST where a plain operand meets a quantized
-    one (no TF32 rounding of the plain side), the operands' prescales undone on the float32 result."""
-    plain = (gemm.lhs.kind == "none", gemm.rhs.kind == "none")
-    precision = jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else None
-    out = backends.matmul(qa, qc, backend=DIAG_BACKEND, precision=precision)
-    prescale = gemm.lhs.prescale * gemm.rhs.prescale
-    return out / prescale if prescale != 1 else out
-
-
 def quantized_output(a, c, gemm: GemmSpec, key) -> jax.Array:
     """The GEMM's float32 output under `gemm`: equal to what mx_dot_general computes with this key."""
-    *_, qa, qc = quantize_gemm(a, c, gemm, key)
-    return _multiply(qa, qc, gemm)
+    operands = rotated_gemm_operands(a, c, gemm, key)
+    return multiply_gemm_operands(operands.qa, operands.qc, gemm, backend=DIAG_BACKEND)
 
 
 def reference_output(a, c) -> jax.Array:
@@ -274,7 +241,7 @@ def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Arr
         stats["sat"] = jnp.sum(jnp.abs(used * q.scale) > fmt.max_value) / count
         return stats
     exponent = q.scale_exponent()  # (..., blocks)
-    limit = quantize.ldexp_exact(jnp.full(exponent.shape, fmt.max_value, jnp.float32), exponent)
+    limit = ldexp_exact(jnp.full(exponent.shape, fmt.max_value, jnp.float32), exponent)
     limit = jnp.repeat(limit, q.block_size, axis=-1)  # a NaN block (exponent 128) gives inf: no clip
     stats["sat"] = jnp.sum(jnp.abs(used) > limit) / count
     block_nonzero = jnp.any(nonzero.reshape(*exponent.shape, q.block_size), axis=-1)
@@ -283,9 +250,9 @@ def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Arr
     exp_max = jnp.max(jnp.where(block_nonzero, exponent, -_EXP_SENTINEL))
     stats["exp_min"] = jnp.where(any_block, exp_min, 0).astype(jnp.float32)
     stats["exp_max"] = jnp.where(any_block, exp_max, 0).astype(jnp.float32)
-    if fold.is_foldable(q):
+    if is_foldable(q):
         blocks = jnp.maximum(jnp.sum(block_nonzero), 1).astype(jnp.float32)
-        stats["fold_flush"] = fold.count_fold_flushes(q).astype(jnp.float32) / blocks
+        stats["fold_flush"] = count_fold_flushes(q).astype(jnp.float32) / blocks
     return stats
 
 
@@ -323,8 +290,9 @@ def gemm_stats(
     if gemm.needs_key and key is None:
         raise ValueError("this GEMM rounds stochastically or draws random signs: pass key=...")
     ref = reference_output(a, c)
-    used_a, used_c, qa, qc = quantize_gemm(a, c, gemm, key)
-    out = _compare(_multiply(qa, qc, gemm), ref)
+    operands = rotated_gemm_operands(a, c, gemm, key)
+    used_a, used_c, qa, qc = operands.a, operands.c, operands.qa, operands.qc
+    out = _compare(multiply_gemm_operands(qa, qc, gemm, backend=DIAG_BACKEND), ref)
     stats = {f"out_{k}": v for k, v in out.items()}
     for name, used, q, spec in zip(names, (used_a, used_c), (qa, qc), (gemm.lhs, gemm.rhs), strict=True):
         if spec.kind != "none":

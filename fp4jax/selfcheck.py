@@ -31,8 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.ops import PRESETS, mx_dot_general
-from fp4jax.ops.kernels import backends
+from fp4jax.ops import (
+    BACKENDS,
+    PRESETS,
+    DeviceDescription,
+    choose_backend,
+    describe_device,
+    mx_dot_general,
+    resolve_execution,
+    scaled_dot_compile_error,
+)
 
 # One Llama 3.1-8B MLP projection: tokens x d_model -> d_ff (8192 tokens = one 8192-long sequence).
 FULL_SHAPE = (8192, 4096, 14336)
@@ -60,7 +68,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def available_backends(desc: backends.DeviceDescription) -> list[str]:
+def available_backends(desc: DeviceDescription) -> list[str]:
     """The back ends worth running on this device (emulate always; the others where hardware backs them,
     and all of them on CPU, where XLA computes FP8 and scaled dots exactly in float32)."""
     found = ["emulate"]
@@ -68,7 +76,7 @@ def available_backends(desc: backends.DeviceDescription) -> list[str]:
     if desc.vendor == "cpu" or major >= 9 or desc.arch in ("gfx942", "gfx950"):
         found.append("fp8")
     native_hw = desc.vendor == "cpu" or major >= 10 or desc.arch == "gfx950"
-    if native_hw and backends.scaled_dot_compile_error() is None:
+    if native_hw and scaled_dot_compile_error() is None:
         found.append("native")
     return found
 
@@ -86,9 +94,9 @@ def _operands(tokens: int, d_model: int, d_ff: int):
     return x, w, dy
 
 
-def layer_gemms(recipe_name: str, backend: str):
+def layer_gemms(recipe_name: str, backend: str, quantizer: str = "auto"):
     """A jitted (x, w, dy) -> (y, dx, dw) in float32: the layer's three GEMMs under one back end."""
-    recipe = dataclasses.replace(PRESETS[recipe_name], backend=backend)
+    recipe = dataclasses.replace(PRESETS[recipe_name], backend=backend, quantizer=quantizer)
     key = jax.random.key(1) if recipe.needs_key else None
 
     def fwd(x, w):
@@ -146,7 +154,9 @@ def gemm_operand_types(hlo_text: str) -> list[str]:
     return found
 
 
-def check_gemms(recipe: str, shape, backend_names, bound: float, on_gpu: bool) -> bool:
+def check_gemms(
+    recipe: str, shape, backend_names, bound: float, on_gpu: bool, quantizer: str = "auto"
+) -> bool:
     tokens, d_model, d_ff = shape
     x, w, dy = _operands(tokens, d_model, d_ff)
     flops = 3 * 2 * tokens * d_model * d_ff
@@ -154,7 +164,7 @@ def check_gemms(recipe: str, shape, backend_names, bound: float, on_gpu: bool) -
     ok = True
     print(f"\nGEMMs of one layer, recipe {recipe}: tokens {tokens} x d_model {d_model} x d_ff {d_ff}")
     for backend in ["emulate"] + [b for b in backend_names if b != "emulate"]:
-        fn = layer_gemms(recipe, backend)
+        fn = layer_gemms(recipe, backend, quantizer)
         outs = [np.asarray(o, np.float64) for o in jax.block_until_ready(fn(x, w, dy))]
         seconds = median_seconds(fn, x, w, dy)
         line = f"  {backend:8s} {flops / seconds / 1e12:9.2f} TFLOP/s ({seconds * 1e3:.2f} ms fwd+bwd)"
@@ -252,29 +262,49 @@ def parse_args(argv):
     if args.recipe not in PRESETS:
         parser.error(f"unknown recipe {args.recipe!r}: use one of {', '.join(PRESETS)}")
     for name in filter(None, args.backends.split(",")):
-        if name not in backends.BACKENDS or name == "auto":
+        if name not in BACKENDS or name == "auto":
             parser.error(f"unknown back end {name!r}: use emulate, fp8 or native")
     if args.train_steps < 0 or args.train_steps == 1:
         parser.error("--train-steps must be 0 (skip) or at least 2")
     return args
 
 
+def resolved_execution(recipe: str):
+    """What the trainer would run `recipe` with here (the environment's overrides applied, as in
+    training.setup), or None after printing a one-line error."""
+    from fp4jax.training import setup
+    from fp4jax.training.errors import ConfigError
+
+    try:
+        overrides = setup.execution_overrides()
+        source = f"environment variable {setup.GEMM_BACKEND_ENV}"
+        return resolve_execution(PRESETS[recipe], **overrides, source=source)[1]
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return None
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     devices = jax.devices()
-    desc = backends.describe_device(devices[0])
+    desc = describe_device(devices[0])
     on_gpu = desc.vendor in ("nvidia", "amd")
     print(f"devices: {len(devices)} x {desc.name} (vendor {desc.vendor}, architecture {desc.arch or '-'})")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
-    choice = backends.choose_backend(desc)
+    choice = choose_backend(desc)
     print(f"auto picks: {choice.backend} ({choice.reason}); fold type {jnp.dtype(choice.fp8_dtype).name}")
-    if os.environ.get(backends.ENV_VAR):
-        print(f"{backends.ENV_VAR}={os.environ[backends.ENV_VAR]} overrides auto in this process")
+    execution = resolved_execution(args.recipe)
+    if execution is None:
+        return 2
+    print(
+        f"recipe {args.recipe} here: GEMM back end {execution.backend} ({execution.backend_reason}); "
+        f"quantizer {execution.quantizer}: {execution.quantizer_runs}"
+    )
     chosen = [b for b in args.backends.split(",") if b] or available_backends(desc)
     shape = SMALL_SHAPE if args.small or (not args.full and not on_gpu) else FULL_SHAPE
     bound = BOUNDS["gpu" if on_gpu else "cpu"]
 
-    ok = check_gemms(args.recipe, shape, chosen, bound, on_gpu)
+    ok = check_gemms(args.recipe, shape, chosen, bound, on_gpu, execution.quantizer)
     if args.train_steps:
         ok &= check_training(args.recipe, args.train_steps)
     print(f"\nself-check {'PASSED' if ok else 'FAILED'}")

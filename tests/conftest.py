@@ -83,7 +83,7 @@ jax.config.update("jax_threefry_partitionable", True)
 import pytest  # noqa: E402
 from tiny_runs import good_run, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
-from fp4jax.ops.kernels import backends  # noqa: E402
+from fp4jax.ops.kernels import probes  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -99,11 +99,11 @@ def failing_scaled_dot(monkeypatch):
     def refuse(*args):
         raise RuntimeError("INTERNAL: Unsupported instruction opcode: scaled-dot\nthe rest of XLA's message")
 
-    backends.scaled_dot_compile_error.cache_clear()
-    backends._auto_choice.cache_clear()
-    monkeypatch.setattr(backends, "_scaled_dot", refuse)
+    probes.scaled_dot_compile_error.cache_clear()
+    probes.auto_choice.cache_clear()
+    monkeypatch.setattr(probes, "scaled_dot", refuse)
     monkeypatch.setenv("XLA_FLAGS", f"{xla_flags.TRITON_GEMM}=false")
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.delenv("FP4JAX_GEMM_BACKEND", raising=False)
     yield monkeypatch
-    backends.scaled_dot_compile_error.cache_clear()
-    backends._auto_choice.cache_clear()
+    probes.scaled_dot_compile_error.cache_clear()
+    probes.auto_choice.cache_clear()

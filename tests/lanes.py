@@ -30,7 +30,7 @@ import math
 import jax
 import numpy as np
 
-from fp4jax.ops.kernels import backends
+from fp4jax.ops.kernels import backends, probes
 
 ON_GPU = jax.default_backend() == "gpu"  # CUDA and ROCm alike
 
@@ -75,6 +75,6 @@ def skip_unless_native_gemms_compile() -> None:
     test_backends.py::test_native_tests_with_triton_gemms runs it in a process with them on."""
     import pytest
 
-    error = backends.scaled_dot_compile_error()
+    error = probes.scaled_dot_compile_error()
     if error:
         pytest.skip(f"native GEMMs do not compile here (test_native_tests_with_triton_gemms): {error}")

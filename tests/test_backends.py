@@ -1,6 +1,8 @@
 """Back-end dispatch: the table for every (platform, architecture) pair with mocked devices, the override,
 the start-up log, and the native path's shape rule with its fallback (on CPU, equal to emulate)."""
 
+import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -16,17 +18,17 @@ import pytest
 from fp4jax import xla_flags
 from fp4jax.ops import quantize_fp8
 from fp4jax.ops import quantize_mx as _quantize_mx
-from fp4jax.ops.kernels import backends
+from fp4jax.ops.kernels import backends, probes
 
 E4M3, FNUZ = jnp.float8_e4m3fn, jnp.float8_e4m3fnuz
-ON_NVIDIA = backends.describe_device().vendor == "nvidia"
+ON_NVIDIA = probes.describe_device().vendor == "nvidia"
 
 
 @pytest.fixture(autouse=True)
 def _fresh_device_caches():
     """Every test sees the device it mocks: the per-process caches of what the device is are emptied
     around it (a mocked ROCm device's FNUZ fold type would otherwise outlive its test)."""
-    caches = (backends._auto_choice, backends._device_fold_dtype, backends.epilogue_scaling_is_exact)
+    caches = (probes.auto_choice, probes.device_fold_dtype, probes.epilogue_scaling_is_exact)
     for cache in caches:
         cache.cache_clear()
     yield
@@ -63,20 +65,20 @@ TABLE = [
 
 @pytest.mark.parametrize("device, described, with_sd, without_sd, fold_dtype", TABLE)
 def test_dispatch_table(device, described, with_sd, without_sd, fold_dtype):
-    desc = backends.describe_device(device)
+    desc = probes.describe_device(device)
     assert (desc.vendor, desc.arch) == described
     assert desc.name == device.device_kind
-    choice = backends.choose_backend(desc, scaled_dot=True)
+    choice = probes.choose_backend(desc, scaled_dot=True)
     assert choice.backend == with_sd
-    assert backends.choose_backend(desc, scaled_dot=False).backend == without_sd
-    assert backends.fold_dtype(desc) == fold_dtype
+    assert probes.choose_backend(desc, scaled_dot=False).backend == without_sd
+    assert probes.fold_dtype(desc) == fold_dtype
     if choice.backend == "fp8":
         assert choice.fp8_dtype == fold_dtype
     assert desc.name in choice.reason
 
 
 def test_hopper_reason_reads_like_the_log():
-    choice = backends.choose_backend(backends.describe_device(_device("gpu", "NVIDIA H200", "9.0")))
+    choice = probes.choose_backend(probes.describe_device(_device("gpu", "NVIDIA H200", "9.0")))
     assert f"GEMM back end {choice.backend} (auto: {choice.reason})" == (
         "GEMM back end fp8 (auto: NVIDIA H200, compute capability 9.0)"
     )
@@ -85,57 +87,82 @@ def test_hopper_reason_reads_like_the_log():
 @pytest.fixture
 def fresh_auto(monkeypatch):
     """auto_choice is cached per process: clear it around each test."""
-    backends._auto_choice.cache_clear()
+    probes.auto_choice.cache_clear()
     yield monkeypatch
-    backends._auto_choice.cache_clear()
+    probes.auto_choice.cache_clear()
 
 
-def test_auto_on_a_cpu_logs_once(fresh_auto, capsys):
+def _auto_logs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == probes.__name__]
+
+
+def test_auto_on_a_cpu_logs_once(fresh_auto, caplog):
     """On a (mocked) CPU device auto means emulate, and says so once per process, whatever runs the test."""
-    fresh_auto.delenv(backends.ENV_VAR, raising=False)
+    caplog.set_level(logging.INFO, logger=probes.__name__)
     fresh_auto.setattr(jax, "devices", lambda *a: [_device("cpu", "cpu")])
     assert backends.resolve_backend("auto") == "emulate"
     assert backends.resolve_backend("auto") == "emulate"
-    err = capsys.readouterr().err
-    assert err.count("fp4jax: GEMM back end emulate (auto: cpu") == 1
+    logged = _auto_logs(caplog)
+    assert len(logged) == 1 and logged[0].startswith("GEMM back end emulate (auto: cpu"), logged
 
 
 @pytest.mark.skipif(
-    backends.describe_device().vendor != "nvidia" or not backends.describe_device().arch.startswith("9."),
+    probes.describe_device().vendor != "nvidia" or not probes.describe_device().arch.startswith("9."),
     reason="needs an NVIDIA GPU of compute capability 9.x (Hopper)",
 )
-def test_auto_picks_fp8_on_this_hopper(fresh_auto, capsys):
+def test_auto_picks_fp8_on_this_hopper(fresh_auto, caplog):
     """The real device: Hopper (H100, H200) runs MX GEMMs on the fp8 back end."""
-    fresh_auto.delenv(backends.ENV_VAR, raising=False)
+    caplog.set_level(logging.INFO, logger=probes.__name__)
     assert backends.resolve_backend("auto") == "fp8"
-    assert "fp4jax: GEMM back end fp8 (auto: NVIDIA" in capsys.readouterr().err
+    assert _auto_logs(caplog)[0].startswith("GEMM back end fp8 (auto: NVIDIA")
 
 
-def test_auto_uses_the_mocked_device(fresh_auto, capsys):
-    fresh_auto.delenv(backends.ENV_VAR, raising=False)
+def test_auto_uses_the_mocked_device(fresh_auto, caplog):
+    caplog.set_level(logging.INFO, logger=probes.__name__)
     fresh_auto.setattr(jax, "devices", lambda *a: [_device("gpu", "NVIDIA H200", "9.0")])
     assert backends.resolve_backend("auto") == "fp8"
-    assert "fp4jax: GEMM back end fp8 (auto: NVIDIA H200, compute capability 9.0)" in capsys.readouterr().err
+    assert _auto_logs(caplog) == ["GEMM back end fp8 (auto: NVIDIA H200, compute capability 9.0)"]
 
 
-def test_environment_overrides_auto_not_an_explicit_backend(fresh_auto, capsys):
-    fresh_auto.setenv(backends.ENV_VAR, "fp8")
-    assert backends.resolve_backend("auto") == "fp8"
-    assert backends.resolve_backend("emulate") == "emulate"
-    assert "(FP4JAX_GEMM_BACKEND=fp8)" in capsys.readouterr().err
+def test_the_library_reads_no_environment_variable(fresh_auto):
+    """FP4JAX_GEMM_BACKEND is the trainer's (training.setup), not the library's: auto stays the table's."""
+    fresh_auto.setenv("FP4JAX_GEMM_BACKEND", "fp4")
+    fresh_auto.setattr(jax, "devices", lambda *a: [_device("cpu", "cpu")])
+    assert backends.resolve_backend("auto") == "emulate"
+
+
+def test_environment_overrides_the_recipe_at_the_trainers_edge(fresh_auto):
+    from fp4jax.ops import get_recipe, resolve_execution
+    from fp4jax.training import setup
+
+    env = {"FP4JAX_GEMM_BACKEND": "emulate", "FP4JAX_QUANTIZE_IMPL": " xla "}
+    overrides = setup.execution_overrides(env)
+    assert overrides == {"backend": "emulate", "quantizer": "xla"}
+    assert setup.execution_overrides({"FP4JAX_GEMM_BACKEND": "auto", "FP4JAX_QUANTIZE_IMPL": ""}) == {}
+    recipe, execution = resolve_execution("mxfp4_full_h16", **overrides, source="environment")
+    assert recipe == dataclasses.replace(get_recipe("mxfp4_full_h16"), backend="emulate", quantizer="xla")
+    assert (execution.backend, execution.quantizer) == ("emulate", "xla")
+    assert execution.backend_reason == "set by environment"
 
 
 def test_bad_backend_names_fail_in_one_line(fresh_auto):
-    fresh_auto.setenv(backends.ENV_VAR, "fp4")
-    with pytest.raises(ValueError, match="unknown GEMM back end 'fp4' in environment variable"):
-        backends.resolve_backend("auto")
+    from fp4jax.training import setup
+    from fp4jax.training.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"^unknown FP4JAX_GEMM_BACKEND='fp4': use one of auto, emulate, native, fp8$"
+    ):
+        setup.execution_overrides({"FP4JAX_GEMM_BACKEND": "fp4"})
+    message = r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla, reference$"
+    with pytest.raises(ConfigError, match=message):
+        setup.execution_overrides({"FP4JAX_QUANTIZE_IMPL": "triton"})
     with pytest.raises(ValueError, match="use one of auto, emulate, native, fp8"):
         backends.resolve_backend("cublas")
 
 
 def test_native_without_scaled_dot_is_refused(monkeypatch):
     monkeypatch.delattr(jax.lax, "scaled_dot", raising=False)
-    assert not backends.has_scaled_dot()
+    assert not probes.has_scaled_dot()
     with pytest.raises(ValueError, match="needs jax.lax.scaled_dot"):
         backends.resolve_backend("native")
 
@@ -182,9 +209,9 @@ def test_native_shape_rule_and_fallback(a_shape, c_shape, block, fits):
 def test_scaled_dot_probe_says_whether_native_gemms_compile():
     """The probe's answer is this process's: a native GEMM of a fitting shape compiles exactly when the
     probe found no error (on the CPU lane always; on an H200 only with XLA's Triton GEMMs on)."""
-    if not backends.has_scaled_dot():
+    if not probes.has_scaled_dot():
         pytest.skip("this jax has no jax.lax.scaled_dot")
-    error = backends.scaled_dot_compile_error()
+    error = probes.scaled_dot_compile_error()
     a, c = _mx((1, 32, 256), 1), _mx((1, 48, 256), 2)
     try:
         jax.jit(backends._native).lower(a, c).compile()
@@ -195,9 +222,9 @@ def test_scaled_dot_probe_says_whether_native_gemms_compile():
 
 
 def test_native_that_cannot_compile_is_one_line_naming_the_triton_flag(failing_scaled_dot):
-    if not backends.has_scaled_dot():
+    if not probes.has_scaled_dot():
         pytest.skip("this jax has no jax.lax.scaled_dot")
-    error = backends.scaled_dot_compile_error()
+    error = probes.scaled_dot_compile_error()
     assert error.startswith("INTERNAL: Unsupported instruction opcode: scaled-dot (XLA_FLAGS has")
     assert "--config.xla_gpu_triton_gemm=True" in error and "\n" not in error
     with pytest.raises(
@@ -206,14 +233,14 @@ def test_native_that_cannot_compile_is_one_line_naming_the_triton_flag(failing_s
         backends.resolve_backend("native")
     assert "\n" not in str(info.value) and "use backend='fp8' or 'emulate'" in str(info.value)
     failing_scaled_dot.setenv("XLA_FLAGS", "")
-    assert "Triton" not in backends.scaled_dot_compile_error.__wrapped__()  # the hint only where it applies
+    assert "Triton" not in probes.scaled_dot_compile_error.__wrapped__()  # the hint only where it applies
 
 
 @pytest.mark.parametrize(
     "device", [_device("gpu", "NVIDIA B200", "10.0"), _device("rocm", "AMD Instinct MI355X")]
 )
 def test_auto_takes_fp8_where_scaled_dot_does_not_compile(failing_scaled_dot, device):
-    choice = backends.choose_backend(backends.describe_device(device))
+    choice = probes.choose_backend(probes.describe_device(device))
     assert choice.backend == "fp8" and choice.fp8_dtype == E4M3
     assert (
         "native MX GEMMs unavailable: INTERNAL: Unsupported instruction opcode: scaled-dot" in choice.reason
@@ -223,7 +250,7 @@ def test_auto_takes_fp8_where_scaled_dot_does_not_compile(failing_scaled_dot, de
 
 
 @pytest.mark.skipif(
-    not ON_NVIDIA or backends.scaled_dot_compile_error() is None,
+    not ON_NVIDIA or probes.scaled_dot_compile_error() is None,
     reason="needs an NVIDIA GPU where scaled-dot does not compile in this process (Triton GEMMs off)",
 )
 def test_native_tests_with_triton_gemms():
@@ -369,16 +396,16 @@ def test_fp8_bfloat16_output_keeps_the_contract_where_the_epilogue_probe_fails(m
 
     assert _dot_precisions(bf16_wanted, a, c) == [jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32]
     assert jax.make_jaxpr(bf16_wanted)(a, c).out_avals[0].dtype == jnp.float32
-    assert not backends.epilogue_scaling_is_exact(jnp.dtype(E4M3), jnp.dtype(E4M3), jnp.dtype(BF16))
+    assert not probes.epilogue_scaling_is_exact(jnp.dtype(E4M3), jnp.dtype(E4M3), jnp.dtype(BF16))
 
 
 def test_hlo_check_finds_the_output_type_of_the_fp8_gemm():
     line = (
         '%g = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"'
     )
-    assert backends.writes_fp8_gemm_output(line, BF16)
-    assert not backends.writes_fp8_gemm_output(line, jnp.float32)
-    assert not backends.writes_fp8_gemm_output(line.replace("$f8", ""), BF16)
+    assert probes.writes_fp8_gemm_output(line, BF16)
+    assert not probes.writes_fp8_gemm_output(line, jnp.float32)
+    assert not probes.writes_fp8_gemm_output(line.replace("$f8", ""), BF16)
 
 
 FP8_PAIRS = [(E4M3, E4M3), (jnp.float8_e5m2, E4M3), (E4M3, jnp.float8_e5m2)]
@@ -397,14 +424,14 @@ def test_fp8_gemm_writes_bfloat16_with_the_float32_scale_in_its_epilogue(a_dtype
     FP8 x FP8 GEMM is one cuBLASLt FP8 GEMM writing bfloat16, bit for bit the precise float32 GEMM times
     the combined float32 scale, rounded once (scales chosen so that a bfloat16-rounded scale or a second
     rounding would show)."""
-    assert backends.epilogue_scaling_is_exact(jnp.dtype(a_dtype), jnp.dtype(c_dtype), jnp.dtype(BF16))
+    assert probes.epilogue_scaling_is_exact(jnp.dtype(a_dtype), jnp.dtype(c_dtype), jnp.dtype(BF16))
     a, c = _random_fp8((1, 2048, 4096), a_dtype, 3, 3.7), _random_fp8((1, 1024, 4096), c_dtype, 4, 0.0123)
     got = matmul_jit(a, c, backend="emulate", out_dtype=BF16)
     assert got.dtype == BF16
     want = matmul_jit(a, c, backend="emulate").astype(BF16)  # the float32 contract, rounded once
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     text = matmul_jit.lower(a, c, backend="emulate", out_dtype=BF16).compile().as_text()
-    assert backends.writes_fp8_gemm_output(text, BF16)
+    assert probes.writes_fp8_gemm_output(text, BF16)
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")
@@ -428,3 +455,25 @@ def test_fp8_epilogue_tests_without_triton():
     _run_with_triton_gemms(
         "false", "writes_bfloat16_with or bfloat16_output_accumulates", [__file__], passed=4
     )
+
+
+def test_the_run_trains_with_the_recipe_the_environment_resolves(fresh_auto):
+    """training.setup's edge: the config's preset, its fp8_scaling, then the environment's overrides; what
+    the run's summary records as `execution`."""
+    import ml_collections
+
+    from fp4jax.ops import resolve_recipe
+    from fp4jax.training import setup
+
+    fresh_auto.setattr(jax, "devices", lambda *a: [_device("cpu", "cpu")])
+    config = ml_collections.ConfigDict({"recipe": "mxfp4_full_h16", "fp8_scaling": "delayed"})
+    recipe, execution = setup.resolve_run_execution(config, {})
+    assert recipe == resolve_recipe("mxfp4_full_h16", "delayed")  # "auto" stays: resolved once, cached
+    assert execution.as_dict() == {
+        "backend": "emulate",
+        "backend_reason": "auto: cpu: no GPU matrix cores to use",
+        "quantizer": "auto",
+        "quantizer_runs": "reference (the Pallas kernels run on one NVIDIA GPU only)",
+    }
+    recipe, execution = setup.resolve_run_execution(config, {"FP4JAX_QUANTIZE_IMPL": "xla"})
+    assert recipe.quantizer == execution.quantizer == "xla" and execution.quantizer_runs == "xla"

@@ -30,7 +30,6 @@ from tiny_runs import (
 )
 
 from fp4jax import train as cli
-from fp4jax.ops.kernels import backends
 from fp4jax.training import checkpoint, integrity, trainer
 from fp4jax.training.metrics import read_metrics
 from fp4jax.training.preemption import StopSignals
@@ -273,7 +272,7 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(override, message, tmp_path,
 def test_native_gemms_that_cannot_compile_are_one_line_and_exit_2(tmp_path, failing_scaled_dot, capsys):
     """FP4JAX_GEMM_BACKEND=native where XLA cannot compile scaled-dot (as on an H200 with Triton GEMMs
     off) stops before anything is traced, naming the back end and the way out."""
-    failing_scaled_dot.setenv(backends.ENV_VAR, "native")
+    failing_scaled_dot.setenv("FP4JAX_GEMM_BACKEND", "native")
     argv = ["fp4jax.train", "--config", os.path.join(ROOT, "configs", "tiny_c4_h16.py")]
     argv += ["--workdir", str(tmp_path / "run"), f"--config.data.cache_dir={tmp_path / 'cache'}"]
     assert cli.main(argv) == 2

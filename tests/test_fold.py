@@ -16,7 +16,7 @@ import pytest
 
 from fp4jax.ops import PRESETS, MXArray, mx_dot_general, quantize_fp8
 from fp4jax.ops import quantize_mx as _quantize_mx
-from fp4jax.ops.kernels import backends, fold
+from fp4jax.ops.kernels import backends, fold, probes
 
 # Jitted: on CPU, op-by-op dispatch of the quantizer costs far more than one compile per signature.
 quantize_mx = jax.jit(_quantize_mx, static_argnames=("axis", "elem", "block_size", "scale_mode", "rounding"))
@@ -273,7 +273,7 @@ def _mx(key, shape, spread=0):
 
 @pytest.mark.parametrize("fp8", ["e4m3fn", "e4m3fnuz"])
 def test_fp8_product_matches_emulate(fp8):
-    if fp8 == "e4m3fnuz" and backends.describe_device().vendor == "nvidia":
+    if fp8 == "e4m3fnuz" and probes.describe_device().vendor == "nvidia":
         pytest.skip("FNUZ FP8 is MI300's format: NVIDIA GPUs have no GEMM for it (ALG_DOT_ANY_F8_ANY_F8_F32)")
     ka, kc = jax.random.split(jax.random.key(1))
     a, c = _mx(ka, (2, 48, 512), spread=60), _mx(kc, (2, 40, 512), spread=60)

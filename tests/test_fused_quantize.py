@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fp4jax.ops import quantize
-from fp4jax.ops.kernels import backends, fold
+from fp4jax.ops.kernels import fold, probes, tile_math
 from fp4jax.ops.kernels import fused_quantize as fq
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
 from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
@@ -96,7 +96,7 @@ def _assert_same(got, want):
         assert int(got.flushed_blocks) == int(want.flushed_blocks)
 
 
-def _check(x, *, axis, spec, rotation=NO_ROTATION, out="mx", impl="xla", signs=None, key=None):
+def _check(x, *, axis, spec, rotation=NO_ROTATION, out="mx", impl="xla", signs=None, key=None, **config):
     got = fq.rotate_quantize(
         x,
         axis=axis,
@@ -107,6 +107,7 @@ def _check(x, *, axis, spec, rotation=NO_ROTATION, out="mx", impl="xla", signs=N
         out=out,
         impl=impl,
         interpret=impl == "pallas",
+        **config,
     )
     want = _reference(x, signs, key, axis=axis, spec=spec, rotation=rotation, out=out)
     _assert_same(got, want)
@@ -152,7 +153,7 @@ def test_rotation_spellings_give_the_same_bits():
         reductions = fq.hadamard_rotate(x, size, signs, spelling="reductions")
         # hadamard_parts: part k is element k of every block; interleaved back into the row order.
         parts, sign_parts = ([v[:, k::size] for k in range(size)] for v in (x, signs))
-        by_parts = fq.hadamard_parts(parts, sign_parts)
+        by_parts = tile_math.hadamard_parts(parts, sign_parts)
         by_parts = jnp.stack(by_parts, axis=-1).reshape(x.shape)
         # Bits equal, except that a NaN's sign is unspecified (a NaN makes its block NaN either way).
         nan = np.isnan(np.asarray(slices))
@@ -262,8 +263,6 @@ def test_batch_dimensions_and_fold_flushes():
         (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "mx"),
         (-2, RANDOM32, "floor", "nearest_even", "e2m1", "mx"),
         (-2, H32, "even", "nearest_even", "e4m3", "mx"),
-        (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "two_pass"),
-        (-2, H16, "even", "nearest_away", "e2m1", "two_pass"),
         (-1, RANDOM32, "ceil", "nearest_even", "e2m1", "via_mx"),
         (-2, H16, "floor", "nearest_even", "e2m1", "via_mx"),
         (-2, NO_ROTATION, "floor", "nearest_even", "e2m1", "via_mx"),
@@ -274,46 +273,47 @@ def test_batch_dimensions_and_fold_flushes():
     ],
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
-def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out, monkeypatch):
-    """out is "mx", or the fold method ("two_pass", "via_mx" or "one_pass") of an fp8_fold output."""
+def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out):
+    """out is "mx", or the fold method ("via_mx" or "one_pass") of an fp8_fold output."""
     spec = QuantSpec(kind="mx", elem=elem, scale_mode=scale_mode, rounding=rounding)
-    _check_pallas(axis, rotation, spec, out, seed=7, signs_seed=2, monkeypatch=monkeypatch)
+    _check_pallas(axis, rotation, spec, out, seed=7, signs_seed=2)
 
 
-def _check_pallas(axis, rotation, spec, out, *, seed, signs_seed, monkeypatch):
+# The fold of rows that fit one pass goes via the mx kernel where one pass is switched off.
+VIA_MX_ROWS = fq.KernelConfig(one_pass_max_row_rotated=0, one_pass_max_row_unrotated=0)
+
+
+def _check_pallas(axis, rotation, spec, out, *, seed, signs_seed, config=fq.KernelConfig()):
     """The Pallas kernels (interpret mode) against the reference on hard inputs; out is "mx" or the fold
-    method of an fp8_fold output."""
-    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
-
-    if out != "mx":
-        monkeypatch.setitem(kernels.FOLD_METHOD, axis == -2, out)
-    fq._rotate_quantize.clear_cache()  # methods and memory accesses are read when a kernel is traced
+    method of an fp8_fold output ("one_pass" is the default for rows that fit; columns go via_mx)."""
+    if out == "via_mx" and axis == -1:
+        config = dataclasses.replace(config, one_pass_max_row_rotated=0, one_pass_max_row_unrotated=0)
     x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=seed))
     signs = random_signs(jax.random.key(signs_seed), rotation.size) if rotation.kind == "random" else None
     out_kind = "mx" if out == "mx" else "fp8_fold"
-    _check(x, axis=axis, spec=spec, rotation=rotation, out=out_kind, impl="pallas", signs=signs)
-    fq._rotate_quantize.clear_cache()
+    _check(
+        x, axis=axis, spec=spec, rotation=rotation, out=out_kind, impl="pallas", signs=signs, config=config
+    )
 
 
-def test_pallas_whole_tile_reads_still_match_reference(monkeypatch):
-    """The mx kernel's other spelling: whole tiles, butterflies over reshaped views (parts switched off)."""
-    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
-
-    monkeypatch.setattr(kernels, "ROTATE_BY_PARTS", False)
-    monkeypatch.setattr(kernels, "COLUMN_PARTS", 0)
-    fq._rotate_quantize.clear_cache()
+def test_pallas_whole_tile_reads_still_match_reference():
+    """The mx kernel's other spelling: whole tiles, butterflies over reshaped views (where the rotation
+    blocks do not tile the MX block, and unrotated columns with column_parts=0)."""
     x = jnp.asarray(_hard_inputs(rows=32, cols=512, seed=9))
+    whole = fq.KernelConfig(column_parts=0)
     for axis in (-1, -2):
-        for rotation in (H16, NO_ROTATION):
-            _check(x, axis=axis, spec=QuantSpec(kind="mx"), rotation=rotation, out="mx", impl="pallas")
-    fq._rotate_quantize.clear_cache()
+        for spec, rotation in (
+            (QuantSpec(kind="mx", block_size=16), H32),
+            (QuantSpec(kind="mx"), NO_ROTATION),
+        ):
+            _check(x, axis=axis, spec=spec, rotation=rotation, out="mx", impl="pallas", config=whole)
 
 
-# The defaults (fused_quantize_pallas.SPLIT_LOADS, JOINED_STORES) are covered by the tests above; these
-# are the other ways of moving parts through memory.
+# The defaults (KernelConfig.split_loads, one_pass_split_loads) are covered by the tests above; these
+# are the other ways of loading parts.
 MEMORY_ACCESS = {
-    "strided": ({"mx": False, "one_pass": False}, False),
-    "split_everywhere": ({"mx": True, "one_pass": True}, True),
+    "strided": fq.KernelConfig(split_loads=False, one_pass_split_loads=False),
+    "split_everywhere": fq.KernelConfig(split_loads=True, one_pass_split_loads=True),
 }
 
 
@@ -324,21 +324,16 @@ MEMORY_ACCESS = {
         (-1, H16, "e2m1", "mx"),
         (-2, H16, "e2m1", "mx"),
         (-1, RANDOM32, "e4m3", "mx"),
-        (-2, NO_ROTATION, "e2m1", "mx"),  # unrotated columns by parts: the stores differ only
+        (-2, NO_ROTATION, "e2m1", "mx"),  # unrotated columns by parts: the loads are contiguous anyway
         (-1, H16, "e2m1", "one_pass"),
         (-2, H16, "e2m1", "via_mx"),
     ],
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
-def test_pallas_parts_by_any_memory_access_match_reference(axis, rotation, elem, out, access, monkeypatch):
-    """Strided or split loads, strided or joined stores: the same parts, so the reference bits."""
-    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
-
-    split_loads, joined_stores = MEMORY_ACCESS[access]
-    monkeypatch.setattr(kernels, "SPLIT_LOADS", split_loads)
-    monkeypatch.setattr(kernels, "JOINED_STORES", joined_stores)
+def test_pallas_parts_by_any_memory_access_match_reference(axis, rotation, elem, out, access):
+    """Strided or split loads: the same parts, so the reference bits."""
     spec = QuantSpec(kind="mx", elem=elem, scale_mode="even")
-    _check_pallas(axis, rotation, spec, out, seed=11, signs_seed=4, monkeypatch=monkeypatch)
+    _check_pallas(axis, rotation, spec, out, seed=11, signs_seed=4, config=MEMORY_ACCESS[access])
 
 
 def test_interleave_puts_part_q_at_position_q_of_each_run():
@@ -351,25 +346,18 @@ def test_interleave_puts_part_q_at_position_q_of_each_run():
 
 
 @pytest.mark.parametrize("parts", [2, 8, 32])
-def test_pallas_unrotated_columns_by_parts_of_any_size(parts, monkeypatch):
-    """COLUMN_PARTS is a speed knob only: every size that divides the block gives the reference bits."""
-    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
-
-    monkeypatch.setattr(kernels, "COLUMN_PARTS", parts)
-    fq._rotate_quantize.clear_cache()
+def test_pallas_unrotated_columns_by_parts_of_any_size(parts):
+    """column_parts is a speed knob only: every size that divides the block gives the reference bits."""
     x = jnp.asarray(_hard_inputs(rows=32, cols=256, seed=10))
-    _check(x, axis=-2, spec=QuantSpec(kind="mx", scale_mode="even"), out="mx", impl="pallas")
-    fq._rotate_quantize.clear_cache()
+    config = fq.KernelConfig(column_parts=parts)
+    _check(x, axis=-2, spec=QuantSpec(kind="mx", scale_mode="even"), out="mx", impl="pallas", config=config)
 
 
 @pytest.mark.parametrize("access", list(MEMORY_ACCESS) + ["default"])
-def test_pallas_lowers_to_triton_without_a_gpu(access, monkeypatch):
+def test_pallas_lowers_to_triton_without_a_gpu(access):
     from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 
-    if access != "default":
-        split_loads, joined_stores = MEMORY_ACCESS[access]
-        monkeypatch.setattr(kernels, "SPLIT_LOADS", split_loads)
-        monkeypatch.setattr(kernels, "JOINED_STORES", joined_stores)
+    config = MEMORY_ACCESS.get(access, fq.KernelConfig())
     x = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
     signs = jax.ShapeDtypeStruct((1, 64), jnp.float32)
     spec = QuantSpec(kind="mx", scale_mode="even")
@@ -377,7 +365,7 @@ def test_pallas_lowers_to_triton_without_a_gpu(access, monkeypatch):
         for column, rotation, sign_row in ((False, H16, None), (True, RANDOM32, signs)):
 
             def run(x, s, column=column, rotation=rotation, out=out):
-                return kernels.rotate_quantize_3d(x, column, spec, rotation, s, out, False)
+                return kernels.rotate_quantize_3d(x, column, spec, rotation, s, out, False, config)
 
             text = jax.jit(run).trace(x, sign_row).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text or "triton" in text
@@ -408,10 +396,10 @@ def test_bad_input_is_one_clear_error():
 # which implementation
 
 
-H200 = backends.DeviceDescription("nvidia", "NVIDIA H200", "9.0")
+H200 = probes.DeviceDescription("nvidia", "NVIDIA H200", "9.0")
 
 
-def test_choose_impl_takes_pallas_only_where_asked_and_supported(monkeypatch):
+def test_choose_impl_takes_pallas_only_where_asked_and_supported():
     spec = QuantSpec(kind="mx", scale_mode="even")
     here = dict(device=H200, device_count=1)
 
@@ -420,40 +408,42 @@ def test_choose_impl_takes_pallas_only_where_asked_and_supported(monkeypatch):
 
     assert choose() == "pallas" and choose(axis=-2) == "pallas"
     assert choose(setting="xla") == "xla" and choose(setting="reference") == "xla"
-    monkeypatch.setattr(fq, "AUTO_PREFERS_PALLAS", False)
-    assert choose(setting="auto") == "xla"
-    monkeypatch.setattr(fq, "AUTO_PREFERS_PALLAS", True)
     assert choose(setting="auto") == "pallas"
     # Where the kernels do not run, "pallas" and "auto" fall back to XLA (same bits).
     assert choose(spec=dataclasses.replace(spec, rounding="stochastic")) == "xla"
     assert choose(spec=dataclasses.replace(spec, prescale=0.75)) == "xla"
-    assert choose(device=backends.DeviceDescription("cpu", "cpu")) == "xla"
-    assert choose(device=backends.DeviceDescription("amd", "MI300X", "gfx942")) == "xla"
+    assert choose(device=probes.DeviceDescription("cpu", "cpu")) == "xla"
+    assert choose(device=probes.DeviceDescription("amd", "MI300X", "gfx942")) == "xla"
     assert choose(device_count=8) == "xla"  # a pallas_call does not shard
     assert choose(shape=(2, 256, 480)) == "xla"  # quantized axis not a multiple of 256
     assert choose(shape=(2, 256, 480), axis=-2) == "pallas"  # column-wise: 480 output rows, 256 quantized
     assert choose(shape=(2, 8, 512)) == "xla"  # 8 output rows: below the checked tile
 
 
-def test_impl_env_var(monkeypatch):
+def test_quantizer_reads_no_environment_variable(monkeypatch):
+    """The choice of implementation is an argument: bogus environment values change nothing."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
     spec = QuantSpec(kind="mx")
     want = fq.rotate_quantize(x, spec=spec, impl="xla")
-    for value in ("xla", "pallas", "auto", " auto ", "", "reference"):
-        monkeypatch.setenv(fq.IMPL_ENV_VAR, value)
-        assert fq.impl_setting() == (value.strip() or "auto")
-        # On this CPU even "pallas" means XLA: the kernels run on NVIDIA GPUs only (interpret mode aside).
+    for value in ("xla", "pallas", "reference", "triton"):
+        monkeypatch.setenv("FP4JAX_QUANTIZE_IMPL", value)
+        monkeypatch.setenv("FP4JAX_GEMM_BACKEND", value)
+        # On this CPU "auto" means XLA: the kernels run on NVIDIA GPUs only (interpret mode aside).
         _assert_same(fq.rotate_quantize(x, spec=spec), want)
-    monkeypatch.setenv(fq.IMPL_ENV_VAR, "triton")
-    message = r"^unknown FP4JAX_QUANTIZE_IMPL='triton': use one of auto, pallas, xla, reference$"
-    with pytest.raises(ValueError, match=message):
-        fq.rotate_quantize(x, spec=spec)
     with pytest.raises(ValueError, match="unknown quantize impl"):
         fq.choose_impl(x.shape, -1, spec, NO_ROTATION, setting="fast")
 
 
+def test_kernel_config_is_hashable_and_checked():
+    assert hash(fq.KernelConfig()) == hash(fq.KernelConfig())
+    with pytest.raises(ValueError, match="column_parts"):
+        fq.KernelConfig(column_parts=3)
+    with pytest.raises(TypeError, match="config must be a KernelConfig"):
+        fq.rotate_quantize(jnp.zeros((32, 64)), spec=QuantSpec(kind="mx"), config={"column_parts": 8})
+
+
 @pytest.mark.skipif(
-    backends.describe_device().vendor != "nvidia",
+    probes.describe_device().vendor != "nvidia",
     reason="needs an NVIDIA GPU: the compiled Triton kernels (interpret mode runs everywhere, above)",
 )
 @pytest.mark.parametrize("axis", [-1, -2])

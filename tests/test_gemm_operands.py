@@ -1,4 +1,4 @@
-"""The fused quantizer wired into mx_dot_general (FP4JAX_QUANTIZE_IMPL): the same GEMM operands and the
+"""The fused quantizer wired into mx_dot_general (Recipe.quantizer): the same GEMM operands and the
 same products as the reference path (pad, move the contraction last, rotate, quantize), bit for bit.
 
 Inputs are bf16, as in training: the rotation's products are then exact and its float32 sums of 16 or
@@ -30,8 +30,8 @@ def _inputs(seed=0, m=M, k=K, n=N):
     return (jnp.asarray(t, jnp.bfloat16) for t in (x, w, dy))
 
 
-def _layer(recipe, backend):
-    rec = dataclasses.replace(get_recipe(recipe), backend=backend)
+def _layer(recipe, backend, quantizer):
+    rec = dataclasses.replace(get_recipe(recipe), backend=backend, quantizer=quantizer)
     key = jax.random.key(3) if rec.needs_key else None
 
     @jax.jit
@@ -42,13 +42,11 @@ def _layer(recipe, backend):
     return run
 
 
-def _assert_same_products_as_reference(setting, recipe, backend, inputs, monkeypatch):
-    """y, dx and dw with FP4JAX_QUANTIZE_IMPL=setting equal the reference path's, bit for bit."""
+def _assert_same_products_as_reference(setting, recipe, backend, inputs):
+    """y, dx and dw with Recipe.quantizer=setting equal the reference path's, bit for bit."""
     inputs = tuple(inputs)
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
-    want = _layer(recipe, backend)(*inputs)
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, setting)
-    got = _layer(recipe, backend)(*inputs)
+    want = _layer(recipe, backend, "reference")(*inputs)
+    got = _layer(recipe, backend, setting)(*inputs)
     for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32), err_msg=name)
 
@@ -66,8 +64,8 @@ def _assert_same_products_as_reference(setting, recipe, backend, inputs, monkeyp
         ("mxfp4_fprop", "fp8"),
     ],
 )
-def test_fused_wiring_gives_the_reference_products(recipe, backend, monkeypatch):
-    _assert_same_products_as_reference("xla", recipe, backend, _inputs(), monkeypatch)
+def test_fused_wiring_gives_the_reference_products(recipe, backend):
+    _assert_same_products_as_reference("xla", recipe, backend, _inputs())
 
 
 @pytest.mark.skipif(
@@ -79,15 +77,13 @@ def test_fused_wiring_gives_the_reference_products(recipe, backend, monkeypatch)
 @pytest.mark.parametrize(
     "recipe, backend", [("mxfp4_full_h16", "fp8"), ("mxfp4_full", "fp8"), ("mxfp4_full_h16", "emulate")]
 )
-def test_pallas_wiring_gives_the_reference_products(recipe, backend, monkeypatch):
+def test_pallas_wiring_gives_the_reference_products(recipe, backend):
     """The compiled kernels in all three GEMMs (every axis a multiple of 256: every operand takes them)."""
-    _assert_same_products_as_reference(
-        "pallas", recipe, backend, _inputs(2, m=256, k=512, n=256), monkeypatch
-    )
+    _assert_same_products_as_reference("pallas", recipe, backend, _inputs(2, m=256, k=512, n=256))
 
 
 @pytest.mark.parametrize("axis", [-1, -2])
-def test_fused_operands_equal_the_reference_operands(axis, monkeypatch):
+def test_fused_operands_equal_the_reference_operands(axis):
     """Operand level, both layouts, both output forms: the fused MXArray equals the reference's field by
     field, and its fold for the fp8 back end equals fold_mx_to_fp8 of the reference MXArray."""
     x, _, dy = _inputs(1)
@@ -95,16 +91,14 @@ def test_fused_operands_equal_the_reference_operands(axis, monkeypatch):
     a, c = (x[None], dy[None]) if axis == -2 else (x[None], x[None, : M // 2])
     key = jax.random.key(5)
 
-    def operands(backend):  # jitted: op by op, each quantizer step would compile on its own
+    def operands(backend, quantizer):  # jitted: op by op, each quantizer step would compile on its own
         quantize = lambda a, c, key: quantized_dot.quantize_gemm_operands(
-            a, axis, c, axis, gemm, key, (None, None), backend=backend
+            a, axis, c, axis, gemm, key, (None, None), backend=backend, quantizer=quantizer
         )
         return jax.jit(quantize)(a, c, key)
 
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "reference")
-    ref = operands("emulate")
-    monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, "xla")
-    mx, folded = operands("emulate"), operands("fp8")
+    ref = operands("emulate", "reference")
+    mx, folded = operands("emulate", "xla"), operands("fp8", "xla")
     for r, m, f in zip(ref, mx, folded, strict=True):
         assert isinstance(r, MXArray) and isinstance(m, MXArray) and isinstance(f, fold.FoldedOperand)
         for field in ("data", "scale"):
@@ -136,25 +130,19 @@ def test_a_folded_operand_on_another_back_end_is_one_clear_error():
         backends.matmul(q, q, backend="emulate")
 
 
-@pytest.mark.parametrize("auto_prefers_pallas", [True, False])
 @pytest.mark.parametrize("supported", [True, False])
-def test_which_quantizer_the_gemms_use(supported, auto_prefers_pallas, monkeypatch):
-    """Unset (auto): the kernels where they run if AUTO_PREFERS_PALLAS, else the reference path; pallas:
-    the kernels where they run, else the reference path; xla: the fused XLA formulation everywhere;
-    reference: the reference path; plain and FP8 operands: the reference path always."""
+def test_which_quantizer_the_gemms_use(supported, monkeypatch):
+    """auto and pallas: the kernels where they run, else the reference path; xla: the fused XLA
+    formulation everywhere; reference: the reference path; plain and FP8 operands: the reference path
+    always."""
     monkeypatch.setattr(fused_quantize, "pallas_supports", lambda *args, **kwargs: supported)
-    monkeypatch.setattr(fused_quantize, "AUTO_PREFERS_PALLAS", auto_prefers_pallas)
     mx, fp8 = QuantSpec(kind="mx", elem="e2m1"), QuantSpec(kind="fp8", elem="e4m3")
     rotation = get_recipe("mxfp4_full_h16").fprop.rotation
-    choose = lambda spec: quantized_dot._fused_impl((1, 256, 256), -1, spec, rotation)
     kernels = "pallas" if supported else None
-    expected = {
-        "": kernels if auto_prefers_pallas else None,
-        "pallas": kernels,
-        "xla": "xla",
-        "reference": None,
-    }
+    expected = {"auto": kernels, "pallas": kernels, "xla": "xla", "reference": None}
     for setting, want in expected.items():
-        monkeypatch.setenv(fused_quantize.IMPL_ENV_VAR, setting)
+        choose = lambda spec, setting=setting: quantized_dot._fused_impl(
+            (1, 256, 256), -1, spec, rotation, setting
+        )
         assert choose(mx) == want, setting
         assert choose(fp8) is None and choose(QuantSpec()) is None

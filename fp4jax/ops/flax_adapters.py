@@ -25,6 +25,15 @@ from flax import nnx
 from fp4jax.ops.quantized_dot import make_dot_general
 from fp4jax.ops.recipes import Recipe, get_recipe
 
+__all__ = [
+    "FP8_HISTORY_LENGTH",
+    "FP8_META",
+    "QUANT_RNG",
+    "NnxQuantDotGeneral",
+    "QuantDotGeneral",
+]
+
+
 QUANT_RNG = "quant"
 FP8_META = "fp8_meta"  # the variable collection of delayed-FP8 amax histories
 FP8_HISTORY_LENGTH = 1024

@@ -16,12 +16,37 @@ from typing import Any
 
 import jax.numpy as jnp
 
+__all__ = [
+    "E2M1",
+    "E4M3",
+    "E5M2",
+    "ELEM_FORMATS",
+    "F32_ABS_MASK",
+    "F32_INF_BITS",
+    "F32_MANTISSA_MASK",
+    "F32_SIGN_MASK",
+    "SCALE_BIAS",
+    "SCALE_DTYPE",
+    "SCALE_EXP_MAX",
+    "SCALE_EXP_MIN",
+    "SCALE_NAN_BITS",
+    "ElemFormat",
+    "get_elem_format",
+    "require_power_of_two",
+]
+
 # The MX shared scale: an unsigned 8-bit power of two, bias 127, 2^-127 .. 2^127, 0xFF = NaN.
 SCALE_DTYPE = jnp.float8_e8m0fnu
 SCALE_BIAS = 127
 SCALE_EXP_MIN = -127
 SCALE_EXP_MAX = 127
 SCALE_NAN_BITS = 0xFF
+
+# Float32 bit fields, as int32 (the exact quantizers work on bit patterns, never on rounded floats).
+F32_MANTISSA_MASK = 0x7FFFFF
+F32_ABS_MASK = 0x7FFFFFFF
+F32_SIGN_MASK = -0x80000000  # 0x80000000 as an int32
+F32_INF_BITS = 0x7F800000
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,15 +21,36 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import ElemFormat, get_elem_format
+from fp4jax.ops.formats import (
+    F32_ABS_MASK,
+    F32_INF_BITS,
+    F32_MANTISSA_MASK,
+    F32_SIGN_MASK,
+    ElemFormat,
+    get_elem_format,
+)
+
+__all__ = [
+    "ROUNDING_MODES",
+    "SCALE_MODES",
+    "FP8Array",
+    "MXArray",
+    "amax",
+    "fp8_amax_history_update",
+    "fp8_scale_from_amax",
+    "fp8_scale_from_history",
+    "ldexp_exact",
+    "pow2",
+    "quantize_fp8",
+    "quantize_mx",
+    "round_to_grid",
+    "scale_exponent",
+]
+
 
 SCALE_MODES = ("floor", "even", "ceil")
 ROUNDING_MODES = ("nearest_even", "nearest_away", "stochastic")
 
-_MANTISSA_MASK = 0x7FFFFF
-_ABS_MASK = 0x7FFFFFFF
-_SIGN_MASK = -0x80000000  # 0x80000000 as an int32
-_INF_BITS = 0x7F800000
 _EVEN_ROUND_BIT = 0x200000  # 2^21: rounds a float32 significand to 2 significant bits
 
 
@@ -64,7 +85,7 @@ def _mul_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
     """
     bits = _bits(x)
     is_subnormal = ((bits >> 23) & 0xFF) == 0
-    significand = (bits & _MANTISSA_MASK).astype(jnp.float32)  # the subnormal's value is this * 2^-149
+    significand = (bits & F32_MANTISSA_MASK).astype(jnp.float32)  # the subnormal's value is this * 2^-149
     from_subnormal = jnp.where(k >= 23, significand * pow2(jnp.maximum(k - 149, -126)), 0.0)
     from_subnormal = jnp.where(bits < 0, -from_subnormal, from_subnormal)
     return jnp.where(is_subnormal, from_subnormal, x * pow2(k))
@@ -77,15 +98,15 @@ def ldexp_exact(v: jax.Array, k: jax.Array) -> jax.Array:
     zero); that holds for every MX element times an E8M0 scale. Overflow gives +-inf.
     """
     bits = _bits(v)
-    sign = bits & _SIGN_MASK
+    sign = bits & F32_SIGN_MASK
     exponent = (bits >> 23) & 0xFF
-    mantissa = bits & _MANTISSA_MASK
+    mantissa = bits & F32_MANTISSA_MASK
     new_exponent = exponent + k
     normal = sign | (jnp.clip(new_exponent, 1, 254) << 23) | mantissa
     shift = jnp.clip(1 - new_exponent, 0, 31)
     subnormal = sign | ((mantissa | 0x800000) >> shift)
     out = jnp.where(new_exponent >= 1, normal, subnormal)
-    out = jnp.where(new_exponent >= 255, sign | _INF_BITS, out)
+    out = jnp.where(new_exponent >= 255, sign | F32_INF_BITS, out)
     return _from_bits(jnp.where(exponent == 0, bits, out))
 
 
@@ -178,7 +199,7 @@ def _check_mx_args(x: jax.Array, axis: int, block_size: int, scale_mode: str, ro
 
 
 def _mantissa_bits_of(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0] & _MANTISSA_MASK
+    return struct.unpack("<I", struct.pack("<f", value))[0] & F32_MANTISSA_MASK
 
 
 def scale_exponent(amax_bits: jax.Array, fmt: ElemFormat, scale_mode: str) -> jax.Array:
@@ -188,11 +209,11 @@ def scale_exponent(amax_bits: jax.Array, fmt: ElemFormat, scale_mode: str) -> ja
     ceil: the smallest e with max_value * 2^e >= amax. Clamped to [-127, 127].
     """
     if scale_mode == "even":
-        amax_bits = (amax_bits + _EVEN_ROUND_BIT) & ~_MANTISSA_MASK
+        amax_bits = (amax_bits + _EVEN_ROUND_BIT) & ~F32_MANTISSA_MASK
     exponent = _floor_log2(amax_bits) - fmt.emax
     if scale_mode == "ceil":
         # amax = 2^f * m_a and max_value = 2^emax * m_max with m in [1, 2): one more binade iff m_a > m_max.
-        above = (amax_bits & _MANTISSA_MASK) > _mantissa_bits_of(fmt.max_value)
+        above = (amax_bits & F32_MANTISSA_MASK) > _mantissa_bits_of(fmt.max_value)
         exponent = exponent + above.astype(jnp.int32)
     return jnp.clip(exponent, formats.SCALE_EXP_MIN, formats.SCALE_EXP_MAX)
 
@@ -222,8 +243,8 @@ def quantize_mx(
     x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     blocks = x_last.reshape(*x_last.shape[:-1], -1, block_size)
     # Integer max of magnitude bits: exact, immune to flush-to-zero, and NaN/Inf sort above every finite.
-    amax_bits = jnp.max(_bits(blocks) & _ABS_MASK, axis=-1, keepdims=True)
-    finite = amax_bits < _INF_BITS
+    amax_bits = jnp.max(_bits(blocks) & F32_ABS_MASK, axis=-1, keepdims=True)
+    finite = amax_bits < F32_INF_BITS
     exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, scale_mode)
 
     scaled = _mul_pow2(jnp.where(finite, blocks, 0.0), -exponent)

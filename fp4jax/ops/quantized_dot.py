@@ -18,7 +18,7 @@ middle axis (column-wise), whichever needs no copy of it (`to_gemm_view`): x (B,
 Fprop and column-wise in Wgrad, a Dense kernel W (B, K, N) column-wise in Fprop and row-wise in Dgrad, dy
 row-wise in Dgrad and column-wise in Wgrad. The reference path moves the contraction last, rotates
 (rotation.rotate_blocks) and quantizes (quantize.quantize_mx); where the Pallas kernels run (one NVIDIA
-GPU) or FP4JAX_QUANTIZE_IMPL=xla asks for it, an MX operand is instead rotated and quantized in one pass
+GPU) or Recipe.quantizer="xla" asks for it, an MX operand is instead rotated and quantized in one pass
 by fused_quantize.rotate_quantize, which reads a column-wise operand in place and, for the fp8 back end,
 writes it already folded (`_fused_impl`).
 """
@@ -37,6 +37,24 @@ from fp4jax.ops import quantize
 from fp4jax.ops.kernels import backends, fused_quantize
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import random_signs, rotate_blocks
+
+__all__ = [
+    "FP8_HISTORY_ROLES",
+    "Layout",
+    "RotatedOperands",
+    "from_bcf",
+    "from_bfc",
+    "make_dot_general",
+    "multiply_gemm_operands",
+    "mx_dot_general",
+    "operand_layouts",
+    "quantize_gemm_operands",
+    "quantize_operand",
+    "rotated_gemm_operands",
+    "to_bfc",
+    "to_gemm_view",
+]
+
 
 Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -89,9 +107,11 @@ def _layout(shape: tuple[int, ...], batch: tuple[int, ...], contract: tuple[int,
     )
 
 
-def operand_layouts(lhs_shape, rhs_shape, dimension_numbers: Dims) -> tuple[Layout, Layout]:
-    """The canonical layouts of both operands; the backward GEMMs' dimension numbers follow from them."""
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+def operand_layouts(lhs_shape, rhs_shape, dimension_numbers) -> tuple[Layout, Layout]:
+    """The canonical layouts of both operands; the backward GEMMs' dimension numbers follow from them.
+
+    dimension_numbers as lax.dot_general takes them (any sequences of ints)."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = _normalize_dims(dimension_numbers)
     return _layout(tuple(lhs_shape), lhs_batch, lhs_contract), _layout(
         tuple(rhs_shape), rhs_batch, rhs_contract
     )
@@ -189,33 +209,32 @@ def _dot_precision(gemm: GemmSpec, precision):
     return jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else precision
 
 
-def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec) -> str | None:
+def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, quantizer: str) -> str | None:
     """The fused quantizer (fused_quantize.rotate_quantize) for this operand, or None for the reference path.
 
-    FP4JAX_QUANTIZE_IMPL unset ("auto", fused_quantize.AUTO_PREFERS_PALLAS) or =pallas: the Pallas kernels
-    on MX operands where they run (`fused_quantize.pallas_supports`: one NVIDIA GPU, nearest rounding,
-    full tiles), the reference path elsewhere. =xla: the fused XLA formulation everywhere (slower than the
-    reference path on GPUs; it lets CPU tests exercise this wiring). =reference: the reference path.
-    Either way the operands are bit for bit the reference path's wherever the rotation's float32 sums are
-    exact (tests/test_gemm_operands.py).
+    quantizer (Recipe.quantizer) "auto" or "pallas": the Pallas kernels on MX operands where they run
+    (`fused_quantize.pallas_supports`: one NVIDIA GPU, nearest rounding, full tiles), the reference path
+    elsewhere. "xla": the fused XLA formulation everywhere (slower than the reference path on GPUs; it
+    lets CPU tests exercise this wiring). "reference": the reference path. Either way the operands are
+    bit for bit the reference path's wherever the rotation's float32 sums are exact
+    (tests/test_gemm_operands.py).
     """
-    if spec.kind != "mx":
+    if spec.kind != "mx" or quantizer == "reference":
         return None
-    setting = fused_quantize.impl_setting()
-    if setting == "reference":
-        return None
-    impl = fused_quantize.choose_impl(shape, axis, spec, rotation, setting=setting)
+    impl = fused_quantize.choose_impl(shape, axis, spec, rotation, setting=quantizer)
     # choose_impl falls back to the fused XLA formulation; here only an explicit "xla" gets it.
-    return impl if impl == "pallas" or setting == "xla" else None
+    return impl if impl == "pallas" or quantizer == "xla" else None
 
 
-def _quantize_side(x, axis: int, spec: QuantSpec, rotation: RotationSpec, signs, key, fp8_scale, fold_out):
+def _quantize_side(
+    x, axis: int, spec: QuantSpec, rotation: RotationSpec, signs, key, fp8_scale, fold_out, quantizer
+):
     """One (B, *, *) operand contracting on `axis` (-1 or -2) -> its quantized (B, F, C) form.
 
     Fused: one rotate_quantize pass that reads a column-wise operand in place and writes it transposed
     (folded into E4M3 where `fold_out`). Reference: moved to contraction-last, rotated, quantized.
     """
-    impl = _fused_impl(x.shape, axis, spec, rotation)
+    impl = _fused_impl(x.shape, axis, spec, rotation, quantizer)
     if impl is not None:
         out = "fp8_fold" if fold_out else "mx"
         return fused_quantize.rotate_quantize(
@@ -227,37 +246,60 @@ def _quantize_side(x, axis: int, spec: QuantSpec, rotation: RotationSpec, signs,
         # and Wgrad, dy: Dgrad and Wgrad, W: Fprop and Dgrad); the transpose then moves FP8 bytes.
         q = quantize_operand(x, spec, key, fp8_scale)
         return q if axis == -1 else quantize.FP8Array(data=_swap(q.data), scale=q.scale)
+    return quantize_operand(_rotated_rows(x, axis, rotation, signs), spec, key, fp8_scale)
+
+
+def _rotated_rows(x, axis: int, rotation: RotationSpec, signs) -> jax.Array:
+    """The reference path's operand before quantization: (B, F, C), rotated along C."""
     x = x if axis == -1 else _swap(x)
-    if rotation.kind != "none":
-        x = rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
-    return quantize_operand(x, spec, key, fp8_scale)
+    if rotation.kind == "none":
+        return x
+    return rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
 
 
-def quantize_gemm_operands(a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key, fp8_scales, *, backend: str):
+def _padded_with_keys(a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key):
+    """(a, c) zero-padded along their contraction axes, the rotation's signs, and a key per operand."""
+    a = _pad_contraction(a, a_axis, gemm.contraction_multiple)
+    c = _pad_contraction(c, c_axis, gemm.contraction_multiple)
+    rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
+    signs = _rotation_signs(gemm.rotation, rotation_key)  # None unless the signs are random
+    return a, c, signs, a_key, c_key
+
+
+def quantize_gemm_operands(
+    a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key, fp8_scales, *, backend: str, quantizer: str = "auto"
+):
     """The two operands of out[b, m, n] = sum_k a[.., k ..] c[.., k ..] as the back end multiplies them.
 
     a and c are (B, *, *) with the contraction on a_axis / c_axis (-1 row-wise, -2 column-wise). Both are
     zero-padded along it, rotated (one set of signs for both) and quantized; the results are (B, M, K) and
     (B, N, K): MXArray, FP8Array, the plain array, or fold.FoldedOperand where the fused quantizer folds
-    for the fp8 back end (`backends.quantizer_folds`). `backend` is resolved (not "auto").
+    for the fp8 back end (`backends.quantizer_folds`). `backend` is resolved (not "auto"); `quantizer`
+    is a Recipe.quantizer value (`_fused_impl`).
     """
-    a = _pad_contraction(a, a_axis, gemm.contraction_multiple)
-    c = _pad_contraction(c, c_axis, gemm.contraction_multiple)
-    rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
-    signs = _rotation_signs(gemm.rotation, rotation_key)  # None unless the signs are random
+    a, c, signs, a_key, c_key = _padded_with_keys(a, a_axis, c, c_axis, gemm, key)
     fold_out = backends.quantizer_folds(gemm.lhs, gemm.rhs, backend)
-    qa = _quantize_side(a, a_axis, gemm.lhs, gemm.rotation, signs, a_key, fp8_scales[0], fold_out)
-    qc = _quantize_side(c, c_axis, gemm.rhs, gemm.rotation, signs, c_key, fp8_scales[1], fold_out)
+    rotation = gemm.rotation
+    qa = _quantize_side(a, a_axis, gemm.lhs, rotation, signs, a_key, fp8_scales[0], fold_out, quantizer)
+    qc = _quantize_side(c, c_axis, gemm.rhs, rotation, signs, c_key, fp8_scales[1], fold_out, quantizer)
     return qa, qc
 
 
-def _gemm(a, a_axis, c, c_axis, gemm: GemmSpec, key, fp8_scales, out_dtype, *, backend: str, precision):
-    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k.
+def _gemm(a, a_axis, c, c_axis, gemm, key, fp8_scales, out_dtype, *, backend: str, quantizer: str, precision):
+    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k."""
+    qa, qc = quantize_gemm_operands(
+        a, a_axis, c, c_axis, gemm, key, fp8_scales, backend=backend, quantizer=quantizer
+    )
+    return multiply_gemm_operands(qa, qc, gemm, backend=backend, precision=precision, out_dtype=out_dtype)
 
-    Float32, or already `out_dtype` (what the caller rounds it to) where the back end can give the
-    same values directly (backends.matmul).
+
+def multiply_gemm_operands(qa, qc, gemm: GemmSpec, *, backend: str, precision=None, out_dtype=jnp.float32):
+    """The product of one GEMM's quantized operands (quantize_gemm_operands) as mx_dot_general forms it.
+
+    The back end's float32 product (`backend` resolved), at `_dot_precision`, the operands' prescales
+    undone on it. Float32, or already `out_dtype` (what the caller rounds it to) where the back end can
+    give the same values directly (backends.matmul).
     """
-    qa, qc = quantize_gemm_operands(a, a_axis, c, c_axis, gemm, key, fp8_scales, backend=backend)
     prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the float32 product
     out = backends.matmul(
         qa,
@@ -267,6 +309,33 @@ def _gemm(a, a_axis, c, c_axis, gemm: GemmSpec, key, fp8_scales, out_dtype, *, b
         out_dtype=out_dtype if prescale == 1 else jnp.float32,
     )
     return out if prescale == 1 else out / prescale
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatedOperands:
+    """One GEMM's row-wise operands as the reference path forms them: `a` (B, M, K) and `c` (B, N, K)
+    zero-padded and rotated along K (the basis the GEMM quantizes in), and their quantized forms."""
+
+    a: jax.Array
+    c: jax.Array
+    qa: Any
+    qc: Any
+
+
+def rotated_gemm_operands(a, c, gemm: GemmSpec, key, fp8_scales=(None, None)) -> RotatedOperands:
+    """The operands of out[b, m, n] = sum_k a[b, m, k] c[b, n, k] under `gemm`, on the reference path.
+
+    The same padding, signs, keys and quantization as quantize_gemm_operands with quantizer="reference"
+    on row-wise operands (`key` is the GEMM's key; fp8_scales None: current scaling), with the rotated
+    unquantized operands kept: what the per-GEMM diagnostics measure against. An unquantized operand is
+    its own quantized form; a prescaled MX operand represents prescale * its operand.
+    """
+    a, c, signs, a_key, c_key = _padded_with_keys(a, -1, c, -1, gemm, key)
+    a = _rotated_rows(a, -1, gemm.rotation, signs)
+    c = _rotated_rows(c, -1, gemm.rotation, signs)
+    qa = quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
+    qc = quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
+    return RotatedOperands(a, c, qa, qc)
 
 
 def _gemm_key(key, stage: int):
@@ -299,6 +368,7 @@ def _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
         _fp8_scales(recipe, fp8_meta, "fprop"),
         out_dtype,
         backend=backend,
+        quantizer=recipe.quantizer,
         precision=precision,
     )
     out_shape = lhs_layout.batch_shape + lhs_layout.free_shape + rhs_layout.free_shape
@@ -327,7 +397,7 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     x, x_axis = to_gemm_view(lhs, lhs_layout)
     w, w_axis = to_gemm_view(rhs, rhs_layout)
     dy_bmn = g.reshape(lhs_layout.bfc_shape[:2] + rhs_layout.bfc_shape[1:2])
-    gemm = functools.partial(_gemm, backend=backend, precision=precision)
+    gemm = functools.partial(_gemm, backend=backend, quantizer=recipe.quantizer, precision=precision)
 
     # Dgrad contracts N: dy row-wise, W on its free axis. Wgrad contracts M (tokens): x on its free axis,
     # dy column-wise. For x (B, M, K) and a Dense kernel W (B, K, N) both views are the arrays themselves.

@@ -20,6 +20,35 @@ import dataclasses
 from fp4jax.ops.formats import ELEM_FORMATS, require_power_of_two
 from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
 
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "BACKENDS",
+    "FP8_SCALINGS",
+    "FP8_SCALING_MODES",
+    "H16",
+    "H32",
+    "MLPERF_FP8_AMAX_ALGO",
+    "MLPERF_FP8_HISTORY_LEN",
+    "MXFP4",
+    "MXFP4_SR",
+    "MXFP4_SR_PRESCALE",
+    "MXFP8",
+    "PRESETS",
+    "QUANTIZERS",
+    "QUANT_KINDS",
+    "RHT16",
+    "ROTATION_KINDS",
+    "SIGN_POLICIES",
+    "GemmSpec",
+    "QuantSpec",
+    "Recipe",
+    "RotationSpec",
+    "get_recipe",
+    "resolve_recipe",
+    "with_fp8_scaling",
+]
+
+
 QUANT_KINDS = ("none", "mx", "fp8")
 FP8_SCALINGS = ("current", "delayed")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -28,6 +57,10 @@ FP8_SCALING_MODES = ("preset", "current", "delayed")
 ROTATION_KINDS = ("none", "deterministic", "random")
 SIGN_POLICIES = ("per_call", "per_run")
 BACKENDS = ("auto", "emulate", "native", "fp8")
+# Who quantizes MX operands: "auto" (the fused Pallas kernels where they run, the reference path
+# elsewhere), "pallas" (the same), "xla" (the fused XLA formulation everywhere), "reference"
+# (rotation.rotate_blocks + quantize.quantize_mx). The same bits wherever the rotation's sums are exact.
+QUANTIZERS = ("auto", "pallas", "xla", "reference")
 
 
 def _check_choice(value, choices, what: str) -> None:
@@ -106,6 +139,11 @@ class RotationSpec:
     def needs_key(self) -> bool:
         return self.kind == "random" and self.signs == "per_call"
 
+    def length_multiple(self, block_size: int) -> int:
+        """What an axis quantized in blocks of `block_size` under this rotation must be a multiple of:
+        every MX block and every rotation block must fit whole."""
+        return max(block_size, self.size if self.kind != "none" else 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmSpec:
@@ -123,14 +161,17 @@ class GemmSpec:
     def contraction_multiple(self) -> int:
         """What the contraction axis is zero-padded to: every MX block and rotation block must fit."""
         sizes = [s.block_size for s in (self.lhs, self.rhs) if s.kind == "mx"]
-        if self.rotation.kind != "none":
-            sizes.append(self.rotation.size)
-        return max(sizes, default=1)
+        return self.rotation.length_multiple(max(sizes, default=1))
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A linear layer's three GEMMs, the back end that runs MX x MX GEMMs, and delayed-FP8 settings.
+    """A linear layer's three GEMMs, who quantizes and which back end multiplies, and delayed-FP8 settings.
+
+    `backend` (BACKENDS) runs the GEMMs; "auto" is the device's table entry (probes.choose_backend).
+    `quantizer` (QUANTIZERS) says which implementation quantizes MX operands. Both are part of the
+    recipe, so two equal recipes run the same code; the trainer's set-up fills them from its config and
+    the environment, and records them in the run's summary.
 
     Delayed FP8 scaling keeps, per layer, one amax history per role (x, W, dy) of
     `fp8_amax_history_len` steps; an operand's scale is max_value / A with A the history's maximum
@@ -143,11 +184,13 @@ class Recipe:
     wgrad: GemmSpec = GemmSpec()
     backend: str = "auto"
     name: str = "custom"
+    quantizer: str = "auto"
     fp8_amax_history_len: int = 1024
     fp8_amax_compute_algo: str = "max"
 
     def __post_init__(self):
         _check_choice(self.backend, BACKENDS, "GEMM back end")
+        _check_choice(self.quantizer, QUANTIZERS, "quantizer")
         _check_choice(self.fp8_amax_compute_algo, AMAX_COMPUTE_ALGOS, "fp8_amax_compute_algo")
         if not isinstance(self.fp8_amax_history_len, int) or self.fp8_amax_history_len < 1:
             raise ValueError(f"fp8_amax_history_len must be an int >= 1, got {self.fp8_amax_history_len!r}")

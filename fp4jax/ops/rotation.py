@@ -18,6 +18,12 @@ import numpy as np
 
 from fp4jax.ops.formats import require_power_of_two
 
+__all__ = [
+    "hadamard",
+    "random_signs",
+    "rotate_blocks",
+]
+
 
 @functools.cache
 def _sylvester(n: int) -> np.ndarray:

@@ -26,14 +26,18 @@ from fp4jax.models.sharding import (
     init_sharded,
     make_mesh,
 )
-from fp4jax.ops import get_recipe
-from fp4jax.ops.kernels import backends
+from fp4jax.ops import BACKENDS, QUANTIZERS, get_recipe, resolve_execution
 from fp4jax.ops.recipes import resolve_recipe
 from fp4jax.training.errors import ConfigError, WorkdirError
 from fp4jax.training.optimizer import make_optimizer, mlperf_lr
 from fp4jax.training.state import eval_step, make_init_fn, train_step
+from fp4jax.training.summary import say
 
 INIT_KEY_SALT, QUANT_KEY_SALT = 0, 1
+# The environment variables a user sets to override a recipe's GEMM back end and quantizer (the library
+# reads none: they are mapped onto Recipe.backend / Recipe.quantizer here, and by the self-check).
+GEMM_BACKEND_ENV = "FP4JAX_GEMM_BACKEND"
+QUANTIZER_ENV = "FP4JAX_QUANTIZE_IMPL"
 POSITIVE_KEYS = ("steps", "global_batch", "seq_len", "grad_accum", "eval_sequences", "eval_batch_size")
 
 
@@ -198,6 +202,33 @@ def check_init_checkpoint(config):
         )
 
 
+def execution_overrides(environ=None) -> dict[str, str]:
+    """The Recipe fields the environment overrides: {"backend": ..., "quantizer": ...} for each of
+    GEMM_BACKEND_ENV and QUANTIZER_ENV set to something other than "auto"; ConfigError for a bad value."""
+    environ = os.environ if environ is None else environ
+    overrides = {}
+    for var, field, choices in (
+        (GEMM_BACKEND_ENV, "backend", BACKENDS),
+        (QUANTIZER_ENV, "quantizer", QUANTIZERS),
+    ):
+        value = environ.get(var, "").strip()
+        if value and value not in choices:
+            raise ConfigError(f"unknown {var}={value!r}: use one of {', '.join(choices)}")
+        if value and value != "auto":
+            overrides[field] = value
+    return overrides
+
+
+def resolve_run_execution(config, environ=None):
+    """(the Recipe the run trains with, ops.Execution): the config's preset under its fp8_scaling, the
+    environment's overrides applied, the back end resolved and checked here, before anything is traced."""
+    recipe = resolve_recipe(config.recipe, config.get("fp8_scaling", "preset"))  # FP8 stages: one scaling
+    overrides = execution_overrides(environ)
+    source = f"environment variable {GEMM_BACKEND_ENV}"
+    with config_values(f"recipe {config.recipe}: "):
+        return resolve_execution(recipe, **overrides, source=source)
+
+
 def build_model(config, tokenizer):
     """(Llama module, LlamaConfig): the size preset with the config's non-None `model` overrides."""
     overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
@@ -211,9 +242,11 @@ def build_model(config, tokenizer):
         model_cfg = llama_config(config.model.size, **overrides)
     if model_cfg.max_seq_len < config.seq_len:
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=config.seq_len)
-    recipe = resolve_recipe(config.recipe, config.get("fp8_scaling", "preset"))  # FP8 stages: one scaling
-    with config_values(f"recipe {config.recipe}: "):
-        backends.resolve_backend(recipe.backend)  # here, not while the step is traced: a one-line error
+    recipe, execution = resolve_run_execution(config)  # here, not while the step is traced: a one-line error
+    say(
+        f"GEMM back end {execution.backend} ({execution.backend_reason}); "
+        f"quantizer {execution.quantizer}: {execution.quantizer_runs}"
+    )
     return Llama(model_cfg, recipe=recipe), model_cfg
 
 

@@ -188,6 +188,7 @@ def run_loop(run: Run) -> dict:
         tokens_per_s_median=summaries.median_tokens_per_s(run.workdir),
         resumed_from_step=run.resumed_from,
         wall_time_s=time.perf_counter() - t_run,
+        execution=setup.resolve_run_execution(config)[1].as_dict(),
         **extra,
     )
     summaries.write_summary(run.workdir, summary)

@@ -12,10 +12,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax.ops.formats import ElemFormat
+from fp4jax.ops.formats import F32_ABS_MASK, F32_MANTISSA_MASK, ElemFormat
 from fp4jax.ops.quantize import pow2
 
-_MANTISSA_MASK = 0x7FFFFF
+__all__ = [
+    "MAGNITUDE_MASK",
+    "MAX_CODE",
+    "encode",
+    "encode_e2m1_nearest_even",
+    "f32_bits",
+    "floor_log2_abs",
+    "fold_e2m1_to_e4m3fn",
+]
+
+
 # Largest finite code (sign bit clear) of each element format: the saturation point.
 MAX_CODE = {"e2m1": 0x7, "e4m3": 0x7E, "e5m2": 0x7B}
 MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
@@ -29,7 +39,7 @@ def f32_bits(v: jax.Array) -> jax.Array:
 def floor_log2_abs(bits: jax.Array) -> jax.Array:
     """floor(log2|x|) of float32 bits, subnormals included (the int -> float32 convert is exact)."""
     biased = (bits >> 23) & 0xFF
-    mantissa = bits & _MANTISSA_MASK
+    mantissa = bits & F32_MANTISSA_MASK
     of_subnormal = ((f32_bits(mantissa.astype(jnp.float32)) >> 23) & 0xFF) - 127 - 149
     return jnp.where(biased == 0, of_subnormal, biased - 127)
 
@@ -42,7 +52,7 @@ def encode(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, rounding: str)
     sh bits, so the result is exact on every back end. Code = units + (q - emin) 2^m, q the binade.
     """
     biased = (bits >> 23) & 0xFF
-    mantissa = bits & _MANTISSA_MASK
+    mantissa = bits & F32_MANTISSA_MASK
     sig = jnp.where(biased == 0, mantissa, mantissa | 0x800000)
     lo = jnp.where(biased == 0, -149, biased - 150)
     q = jnp.maximum(floor_log2_abs(bits) - exponent, fmt.emin)
@@ -81,7 +91,7 @@ def encode_e2m1_nearest_even(bits: jax.Array, exponent: jax.Array) -> jax.Array:
        difference of the float bits is the count of steps; the binade adds 2 codes per step up.
        Saturation is one min: 7 steps of 2 and up all land above code 7.
     """
-    magnitude = bits & 0x7FFFFFFF
+    magnitude = bits & F32_ABS_MASK
     k = -exponent
     from_normal = lax.bitcast_convert_type(magnitude, jnp.float32) * pow2(jnp.clip(k, -126, 127))
     k_sub = jnp.maximum(k, 23)

@@ -30,12 +30,25 @@ import jax.numpy as jnp
 from fp4jax.ops import formats
 from fp4jax.ops.quantize import MXArray, pow2
 
+__all__ = [
+    "NO_BLOCK",
+    "SHIFTS",
+    "WINDOW",
+    "FoldedOperand",
+    "apply_exponents",
+    "count_fold_flushes",
+    "fold_mx_to_fp8",
+    "fold_shift",
+    "is_foldable",
+]
+
+
 # The window below a row's top block that folds exactly, and the shift that puts the top block's largest
 # element (6 * 2^E) at the top of each E4M3 variant: 6 * 2^6 = 384 <= 448, 6 * 2^5 = 192 <= 240.
 WINDOW = 14
 SHIFTS = {jnp.dtype(jnp.float8_e4m3fn): 6, jnp.dtype(jnp.float8_e4m3fnuz): 5}
 _NAN_EXPONENT = formats.SCALE_NAN_BITS - formats.SCALE_BIAS
-_NO_BLOCK = -(2**20)  # below every real block exponent: marks "no non-zero block" in the row max
+NO_BLOCK = -(2**20)  # below every real block exponent: marks "no non-zero block" in the row max
 
 
 @jax.tree_util.register_dataclass
@@ -121,8 +134,8 @@ def _row_window(x: MXArray) -> _RowWindow:
     blocks, exponent = _block_view(x)
     is_nan_block = exponent == _NAN_EXPONENT
     nonzero_block = jnp.any(blocks != 0, axis=-1) & ~is_nan_block
-    row_top = jnp.max(jnp.where(nonzero_block, exponent, _NO_BLOCK), axis=-1, keepdims=True)
-    row_top = jnp.where(row_top == _NO_BLOCK, 0, row_top)
+    row_top = jnp.max(jnp.where(nonzero_block, exponent, NO_BLOCK), axis=-1, keepdims=True)
+    row_top = jnp.where(row_top == NO_BLOCK, 0, row_top)
     nan_row = jnp.any(is_nan_block, axis=-1)
     return _RowWindow(blocks, nonzero_block, exponent - row_top, row_top, nan_row)
 

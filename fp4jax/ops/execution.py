@@ -1,0 +1,69 @@
+"""Which code runs a recipe's GEMMs in this process: the back end and the quantizer, resolved once.
+
+A Recipe names its GEMM back end (`backend`, "auto" = the device's table entry) and who quantizes its
+MX operands (`quantizer`). `resolve_execution` is the edge where a caller (the trainer's set-up, the
+self-check) settles both before anything is traced: it applies the caller's overrides, maps "auto" to
+this device's back end, checks that the back end can run here, and runs the probes its GEMMs would
+otherwise run while traced. The library itself reads no environment variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from fp4jax.ops.kernels import backends, probes
+from fp4jax.ops.recipes import Recipe, get_recipe
+
+__all__ = ["Execution", "resolve_execution"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """What runs a recipe's GEMMs here, for the run's summary and the self-check.
+
+    backend: the resolved GEMM back end ("emulate", "native" or "fp8"), and why (backend_reason).
+    quantizer: Recipe.quantizer; quantizer_runs: what that means on this process's devices.
+    """
+
+    backend: str
+    backend_reason: str
+    quantizer: str
+    quantizer_runs: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _quantizer_runs(quantizer: str) -> str:
+    if quantizer in ("xla", "reference"):
+        return quantizer
+    if probes.describe_device().vendor == "nvidia" and jax.device_count() == 1:
+        return "pallas kernels where the tiles fit, reference elsewhere"
+    return "reference (the Pallas kernels run on one NVIDIA GPU only)"
+
+
+def resolve_execution(
+    recipe: str | Recipe, *, backend: str | None = None, quantizer: str | None = None, source: str = "recipe"
+) -> tuple[Recipe, Execution]:
+    """(the recipe with the overrides applied, what it runs with here).
+
+    backend / quantizer (None: the recipe's own) override the recipe's fields; `source` names where an
+    override came from, for the one-line error of a back end that cannot run here. A back end of "auto"
+    stays "auto" in the recipe (so a preset stays equal to itself): it is resolved here, once per
+    process (probes.auto_choice, cached and logged once), and the traced GEMMs get that same answer.
+    """
+    recipe = get_recipe(recipe)
+    recipe = dataclasses.replace(
+        recipe, backend=backend or recipe.backend, quantizer=quantizer or recipe.quantizer
+    )  # __post_init__ checks the names
+    if recipe.backend == "auto":
+        choice = probes.auto_choice()
+        resolved, reason = choice.backend, choice.reason
+    else:
+        backends.check_backend(recipe.backend, source if backend else "recipe")
+        resolved, reason = recipe.backend, f"set by {source}" if backend else "set by the recipe"
+    probes.run_probes(resolved)
+    execution = Execution(resolved, reason, recipe.quantizer, _quantizer_runs(recipe.quantizer))
+    return recipe, execution

@@ -1,0 +1,135 @@
+"""The shape of fp4jax.ops: one public face, no import circle, no module state, no environment.
+
+- Every module under fp4jax/ops declares `__all__`, and every name in it exists.
+- Nothing in fp4jax/ outside fp4jax/ops, nor benchmarks/, imports fp4jax.ops.kernels: the rest of the
+  house reaches the kernels, back ends and probes through fp4jax.ops.
+- The modules of fp4jax import each other without a circle (module-level imports, the ones that run
+  at import time).
+- mx_dot_general traces to the same program whatever FP4JAX_GEMM_BACKEND and FP4JAX_QUANTIZE_IMPL say:
+  the library reads no environment variable (the trainer's set-up does, training.setup).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fp4jax.ops
+from fp4jax.ops import get_recipe, mx_dot_general
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fp4jax"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: pathlib.Path, modules=()) -> set[str]:
+    """The fp4jax modules a file imports at module level (not inside functions). `from fp4jax.ops import
+    quantize` imports the submodule fp4jax.ops.quantize where that is one of `modules` (the package's
+    __init__ then runs first, but it is already running whenever one of its submodules is imported)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("fp4jax")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fp4jax"):
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+            found |= submodules or {node.module}
+    return found
+
+
+def _all_modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "ops").rglob("*.py")), ids=lambda p: p.name)
+def test_every_ops_module_declares_all_and_it_is_true(path):
+    module = importlib.import_module(_module_name(path))
+    assert hasattr(module, "__all__"), f"{path.relative_to(ROOT)} has no __all__"
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert not missing, f"{path.relative_to(ROOT)}: __all__ names {missing} that do not exist"
+
+
+def test_nothing_outside_ops_imports_the_kernels():
+    files = [p for p in PACKAGE.rglob("*.py") if "ops" not in p.relative_to(PACKAGE).parts[:1]]
+    files += sorted((ROOT / "benchmarks").glob("*.py"))
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(
+            m for m in _top_level_imports(p) if m.startswith("fp4jax.ops.kernels")
+        )
+        for p in files
+    }
+    # imports inside functions count too: walk the whole tree for those
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fp4jax.ops.kernels"):
+                offenders.setdefault(str(p.relative_to(ROOT)), []).append(node.module)
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_no_import_circle_inside_fp4jax():
+    modules = _all_modules()
+    graph = {
+        # importing fp4jax.ops.x runs fp4jax.ops first: a submodule's edge to its own package is no circle
+        name: {
+            m
+            for m in _top_level_imports(path, modules)
+            if m in modules and not (name + ".").startswith(m + ".")
+        }
+        for name, path in modules.items()
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name, path):
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep) :] + [dep] if dep in path else [name, dep]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def _program(recipe, x, w, dy) -> str:
+    def layer(x, w, dy):
+        y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, (((1,), (0,)), ((), ())), recipe=recipe), x, w)
+        return (y, *vjp(dy))
+
+    return str(jax.make_jaxpr(layer)(x, w, dy))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4_full_h16", "fp8", "mxfp8"])
+def test_the_library_reads_no_environment_variable_while_tracing(recipe, monkeypatch):
+    x = jnp.zeros((64, 128), jnp.bfloat16)
+    w = jnp.zeros((128, 64), jnp.bfloat16)
+    dy = jnp.zeros((64, 64), jnp.bfloat16)
+    want = _program(get_recipe(recipe), x, w, dy)
+    for value in ("xla", "reference", "fp8", "native", "bogus"):
+        monkeypatch.setenv("FP4JAX_GEMM_BACKEND", value)
+        monkeypatch.setenv("FP4JAX_QUANTIZE_IMPL", value)
+        assert _program(get_recipe(recipe), x, w, dy) == want, value
+    # and the recipe's own fields do change it (the test can fail)
+    if recipe == "mxfp4_full_h16":
+        xla = dataclasses.replace(get_recipe(recipe), quantizer="xla")
+        assert _program(xla, x, w, dy) != want
+
+
+def test_the_public_face_lists_what_models_import():
+    from fp4jax.ops import mx_dot
+
+    assert set(mx_dot.__all__) <= set(fp4jax.ops.__all__)
+    for name in mx_dot.__all__:
+        assert getattr(mx_dot, name) is getattr(fp4jax.ops, name)
