@@ -38,6 +38,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from fp4jax import diagnostics as diag
+from fp4jax import logs
 from fp4jax.data import DataError, default_data_config, load_tokenizer, make_eval_batches
 from fp4jax.models.llama import SIZES, Llama, LlamaConfig, llama_config, padded_vocab_size
 from fp4jax.ops import get_recipe
@@ -341,6 +342,7 @@ def run(config, fv) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv if argv is None else list(argv)
+    logs.configure()
     try:
         config, fv = parse_flags(argv)
         result = run(config, fv)

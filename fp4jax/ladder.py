@@ -29,6 +29,7 @@ import re
 import signal
 import sys
 
+from fp4jax import logs
 from fp4jax.study import analysis, report, runner
 
 
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    logs.configure()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command == "report" and (unknown or passthrough):

@@ -121,7 +121,6 @@ class Job:
     run_dir: str
     proc: subprocess.Popen
     log_file: object
-    log_offset: int
     summary_mtime: float | None
     started: float
     gpus: list[str]
@@ -156,7 +155,6 @@ def start(spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s)
         run_dir,
         proc,
         log,
-        log.tell(),
         _mtime(runs.summary_path(run_dir)),
         time.monotonic(),
         gpus,
@@ -202,14 +200,10 @@ def finish(job: Job, code: int, config_info: dict) -> dict:
 
 
 def derive(job: Job, code: int, failure: str | None, config_info: dict, wall: float) -> dict:
-    with open(os.path.join(job.run_dir, "train.log"), encoding="utf-8", errors="replace") as f:
-        f.seek(job.log_offset)
-        log_text = f.read()
     summary = runs.derive_summary(
         runs.read_records(job.run_dir),
         exit_code=code,
         failure=failure,
-        log_text=log_text,
         target=config_info.get("target_eval_loss"),
         recipe=config_info.get("recipe"),
         seed=job.spec.seed,
