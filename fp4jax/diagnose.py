@@ -43,6 +43,26 @@ from fp4jax.data import DataError, default_data_config, load_tokenizer, make_eva
 from fp4jax.models.llama import SIZES, Llama, LlamaConfig, llama_config, padded_vocab_size
 from fp4jax.ops import get_recipe
 
+__all__ = [
+    "DATA_MODES",
+    "INIT_KEY_SALT",
+    "OUTPUTS",
+    "UsageError",
+    "build_model_config",
+    "checkpoint_state_dir",
+    "init_params",
+    "load_config_tokenizer",
+    "main",
+    "make_batches",
+    "measure",
+    "parse_flags",
+    "plot",
+    "restore_params",
+    "run",
+    "recipe_results",
+    "table",
+]
+
 DATA_MODES = ("config", "bundled", "synthetic")
 INIT_KEY_SALT = 0  # the trainer's: params are initialised from fold_in(key(seed), 0)
 OUTPUTS = diag.OUTPUT_NAMES  # fprop: y, dgrad: dx, wgrad: dW
@@ -175,7 +195,7 @@ def measure(model_cfg, params, batches, recipes, *, layers=None, n_draws=8, seed
     return totals
 
 
-def summarize(model_cfg, totals: dict) -> dict:
+def recipe_results(model_cfg, totals: dict) -> dict:
     """Per recipe: by_kind {kind: {gemm: {quantity}}}, per_layer {layer: {kind: ...}}, layer_wgrad_rel_err."""
     out = {}
     for name, items in totals.items():
@@ -324,7 +344,7 @@ def run(config, fv) -> dict:
     )
     log = functools.partial(print, file=sys.stderr, flush=True)
     totals = measure(model_cfg, params, batches, recipes, layers=layers, n_draws=fv.draws, seed=seed, log=log)
-    results = summarize(model_cfg, totals)
+    results = recipe_results(model_cfg, totals)
     return {
         "config": config_flags.get_config_filename(fv["config"]),
         "checkpoint": fv.checkpoint,

@@ -32,6 +32,8 @@ import sys
 from fp4jax import logs
 from fp4jax.study import analysis, report, runner
 
+__all__ = ["build_parser", "cmd_report", "cmd_run", "main", "parse_overrides", "parse_rungs"]
+
 
 def parse_rungs(specs, rung_sets=(), rung_seeds=(), recipes=None) -> list[runner.Rung]:
     """[NAME=]CONFIG positional specs (NAME defaults to the file's stem); with recipes, one rung a config and

@@ -1,8 +1,8 @@
 """No block of six or more lines is written twice inside fp4jax/ (as a duplicate-code tool reports it).
 
 Lines are normalised (surrounding whitespace stripped); blank lines, comments and docstrings are skipped,
-and so are imports and function signatures, which modules share by nature (keyword lists passed on). A repeated block is reported once, as the pair of
-places with its length.
+and so are imports and function signatures, which modules share by nature (keyword lists passed on).
+A repeated block is reported once, as the pair of places with its length.
 """
 
 import ast
@@ -28,11 +28,12 @@ def code_lines(source: str) -> list[tuple[int, str]]:
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
             if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
                 skip.update(range(body[0].lineno, body[0].end_lineno + 1))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # signatures, as pylint's ignore-signatures
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # as pylint's ignore-signatures
             skip.update(range(node.lineno, node.body[0].lineno))
         if isinstance(node, ast.Import | ast.ImportFrom):
             skip.update(range(node.lineno, node.end_lineno + 1))
-    comments = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0] for t in tokens if t.type == tokenize.COMMENT}
     lines = []
     for number, text in enumerate(source.splitlines(), 1):
         text = text.strip()
@@ -64,7 +65,8 @@ def repeats(files: dict[str, str], min_lines: int = MIN_LINES) -> list[tuple[str
 
 def test_the_finder_reports_a_repeated_block_once():
     block = "".join(f"x{k} = f({k})\n" for k in range(7))
-    files = {"a.py": '"""doc"""\nimport os\n' + block + "y = 1\n", "b.py": "# c\n\n" + block, "c.py": block[:40]}
+    files = {"a.py": '"""doc"""\nimport os\n' + block + "y = 1\n", "b.py": "# c\n\n" + block}
+    files["c.py"] = block[:40]
     assert repeats(files) == [("a.py", 3, "b.py", 3, 7)]
 
 

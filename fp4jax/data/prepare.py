@@ -19,6 +19,8 @@ from fp4jax.data.config import default_data_config, eval_sources, train_sources
 from fp4jax.data.packing import num_windows
 from fp4jax.data.tokenizers import load_tokenizer
 
+__all__ = ["main", "prepare"]
+
 _DATA = config_flags.DEFINE_config_dict("data", default_data_config(), "data configuration")
 _SPLITS = flags.DEFINE_list("splits", ["train", "eval"], "which splits to tokenize: train, eval")
 _PROCESSES = flags.DEFINE_integer("processes", 0, "worker processes for the training files (0 = all CPUs)")

@@ -29,6 +29,27 @@ import statistics
 
 from fp4jax.study import runs
 
+__all__ = [
+    "GEMMS",
+    "NO_BASE",
+    "OUTCOMES",
+    "SELF",
+    "StudyRun",
+    "analyze",
+    "crossing",
+    "diagnostics",
+    "group_stats",
+    "load_run",
+    "load_runs",
+    "lr_sensitivity",
+    "mean_sd",
+    "outcome",
+    "overhead",
+    "resolve_target",
+    "run_row",
+    "speedup",
+]
+
 GEMMS = ("fprop", "dgrad", "wgrad")
 OUTCOMES = ("reached", "not_reached", "diverged", "failed", "unfinished")
 SELF = {"token_overhead": 0.0, "token_overhead_se": None, "relative_se": None, "paired": None}
@@ -36,7 +57,9 @@ NO_BASE = {"tokens_to_target_mean": None, "tokens_to_target_sd": None, "tokens_p
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class StudyRun:
+    """One run of a study as the report reads it (its directory's summary.json and metrics.jsonl)."""
+
     rung: str
     lr: float | None
     seed: int
@@ -53,14 +76,14 @@ class Run:
     diagnostics: dict | None = None  # diagnostics(records)
 
 
-def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Run:
+def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> StudyRun:
     """A run from its summary.json (either trainer's) and metrics.jsonl."""
     summary = runs.read_json(runs.summary_path(run_dir))
     records = runs.read_records(run_dir)
     s = summary or {}
     status = runs.status_of(summary)
     evals = runs.evals_from(summary, records)
-    return Run(
+    return StudyRun(
         rung=rung,
         lr=lr,
         seed=seed if seed is not None else s.get("seed") or 0,
@@ -118,7 +141,7 @@ def _probe_steps(probed: list[dict], train: list[dict]) -> float | None:
     return statistics.median(r["diag_time_s"] for r in probed[1:]) / statistics.median(steps)
 
 
-def load_runs(root: str) -> list[Run]:
+def load_runs(root: str) -> list[StudyRun]:
     return [load_run(*found) for found in runs.find_runs(root)]
 
 
@@ -139,7 +162,7 @@ def crossing(evals, target: float) -> dict | None:
     return None
 
 
-def outcome(run: Run, target: float) -> str:
+def outcome(run: StudyRun, target: float) -> str:
     """reached / not_reached / diverged / failed / unfinished against the report's target (which may differ
     from the one the run stopped at); a run that crossed the target before it diverged has reached it."""
     if run.status == "unfinished":
@@ -149,7 +172,7 @@ def outcome(run: Run, target: float) -> str:
     return "not_reached" if run.status in ("reached", "not_reached") else run.status
 
 
-def run_row(run: Run, target: float) -> dict:
+def run_row(run: StudyRun, target: float) -> dict:
     hit = crossing(run.evals, target)
     return {
         "rung": run.rung,
@@ -257,7 +280,7 @@ def _ratio(a, b):
 # ------------------------------------------------------------------------------------------ the study
 
 
-def resolve_target(all_runs: list[Run], baseline: str, spec: str) -> tuple[float, str]:
+def resolve_target(all_runs: list[StudyRun], baseline: str, spec: str) -> tuple[float, str]:
     """(target eval loss, the rule that chose it) for --target: "config" (the runs' target_eval_loss, one
     value), a number, or "auto" / "auto+MARGIN" (the worst over the baseline's runs of their best eval
     loss, plus MARGIN nats, so that every baseline run that evaluated reaches it)."""
@@ -281,7 +304,7 @@ def resolve_target(all_runs: list[Run], baseline: str, spec: str) -> tuple[float
         raise ValueError(f"--target {spec!r}: use config, auto, auto+MARGIN or a loss in nats") from None
 
 
-def analyze(all_runs: list[Run], baseline: str, target_spec: str = "config", rungs=None) -> dict:
+def analyze(all_runs: list[StudyRun], baseline: str, target_spec: str = "config", rungs=None) -> dict:
     """The study's JSON: target and its rule, one group a (rung, peak LR) with overhead and speed-up
     against the baseline at the same LR (or its only LR), names of rungs asked for but absent."""
     found = sorted({r.rung for r in all_runs})

@@ -20,6 +20,29 @@ import time
 
 from fp4jax.study import runs
 
+__all__ = [
+    "POLL_S",
+    "TERM_GRACE_S",
+    "Job",
+    "RunSpec",
+    "Rung",
+    "accelerator_kind",
+    "config_infos",
+    "default_gpus",
+    "derive",
+    "describe",
+    "device_env",
+    "finish",
+    "load_config",
+    "plan",
+    "poll",
+    "progress_line",
+    "record_attempt",
+    "run_grid",
+    "start",
+    "stop_all",
+]
+
 TERM_GRACE_S = 180  # after SIGTERM a run saves a checkpoint; then it is killed
 POLL_S = 0.5
 

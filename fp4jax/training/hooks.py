@@ -5,6 +5,8 @@ import time
 
 import jax
 
+__all__ = ["Profiler", "make_probe", "run_probe"]
+
 
 def make_probe(config, model):
     """The jitted diagnostics probe (contract C) or None when diagnostics.every is 0.
