@@ -213,8 +213,8 @@ def test_lr_sweep_table_and_report_files(tmp_path):
 
 
 def test_diagnostics_over_training_are_reduced_tabled_and_plotted(tmp_path):
-    """Probe lines (contract C) on steps 5 and 10: the mean over layer kinds per GEMM, the last probe by kind,
-    and the overhead sum(diag_time_s) / sum(step_time_s)."""
+    """Probe lines (diag/<kind>/<gemm>/<quantity>) on steps 5 and 10: the mean over layer kinds per GEMM, the
+    last probe by kind, and the overhead sum(diag_time_s) / sum(step_time_s)."""
     write_run(tmp_path / "fp8" / "seed0", BASE[0])
     path = tmp_path / "fp8" / "seed0" / "metrics.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines()]

@@ -63,7 +63,8 @@ class StudyRun:
     rung: str
     lr: float | None
     seed: int
-    status: str  # a contract-A status, "failed", or "unfinished" (no summary yet, or preempted)
+    # a run summary's status (training/summary.py), "failed", or "unfinished" (no summary yet, or preempted)
+    status: str
     evals: tuple[tuple[int, int, float], ...]  # (step, tokens, eval loss)
     target_eval_loss: float | None
     tokens: int | None  # trained
@@ -102,7 +103,8 @@ def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Stu
 
 
 def diagnostics(records: list[dict]) -> dict | None:
-    """The per-GEMM probe's lines (contract C: "diag/<kind>/<gemm>/<quantity>" in training lines), reduced:
+    """The per-GEMM probe's lines ("diag/<kind>/<gemm>/<quantity>" keys of training lines,
+    docs/diagnostics.md), reduced:
     at each probed step, out_rel_err per GEMM as the mean over layer kinds; the last probe's out_rel_err
     per kind and GEMM, and its per-layer Wgrad error; overhead = sum diag_time_s / sum step_time_s over the
     run (the trainer leaves the probe's time out of step_time_s), which includes the probe's one-time
