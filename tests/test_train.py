@@ -369,3 +369,26 @@ def test_info_lines_come_from_process_zero_and_warnings_from_every_process(monke
         "warning: trouble on process 0",
         "warning: trouble on process 1",
     ]
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_diagnose_starts_from_the_trainers_step_0_params(token_cache, scan_layers):
+    """python -m fp4jax.diagnose without --checkpoint measures the weights a run starts from."""
+    from flax import linen as nn
+
+    from fp4jax import diagnose
+
+    class Tok:
+        name, vocab_size = "test", 256
+
+    config = tiny_config(token_cache, seed=3)
+    config.model.update(vocab_size=256, scan_layers=scan_layers)
+    model, model_cfg = setup.build_model(config, Tok())
+    assert setup.model_config(config, 256) == model_cfg
+    tx, _ = make_optimizer(config.optimizer)
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
+    with sharding_context(one):
+        state, _ = setup.init_train_state(model, tx, one, config.seed, config.seq_len)
+    want = nn.meta.unbox(jax.device_get(state.params))
+    got = diagnose.init_params(model_cfg, config.seed)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
