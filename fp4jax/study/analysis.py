@@ -12,8 +12,9 @@ Definitions:
   treating the two means as independent: (mean_rung / mean_baseline) x sqrt(se_r^2 / mean_r^2 +
   se_b^2 / mean_b^2), se = sd / sqrt(n); undefined when either side has fewer than 2 seeds that reached.
   Paired form beside it: mean and sd over seeds of (t_rung,k / t_baseline,k - 1), seeds where both reached.
-- throughput: a run's median training tokens/s (its summary's tokens_per_s_median, else the median over its
-  logged steps after the first 3, which compile); a rung's is the mean over its runs.
+- throughput: a run's median training tokens/s (its summary's tokens_per_s_median, else the same rule,
+  training.metrics.median_tokens_per_s, over its metrics.jsonl: the updates after the first 3, which
+  compile); a rung's is the mean over its runs.
 - time to target T = mean tokens to target / throughput. End-to-end speed-up = T_baseline / T_rung; time
   saved = 1 - T_rung / T_baseline. Their standard errors carry the overhead's relative error only
   (throughput is taken as exact).
