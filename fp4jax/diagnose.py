@@ -38,12 +38,32 @@ from absl import flags
 from ml_collections import config_flags
 
 from fp4jax import diagnostics as diag
+from fp4jax import logs
 from fp4jax.data import DataError, default_data_config, load_tokenizer, make_eval_batches
-from fp4jax.models.llama import SIZES, Llama, LlamaConfig, llama_config, padded_vocab_size
+from fp4jax.models import llama
+from fp4jax.models.llama import SIZES, Llama, LlamaConfig, padded_vocab_size
 from fp4jax.ops import get_recipe
+from fp4jax.training import checkpoint, integrity, setup
+
+__all__ = [
+    "DATA_MODES",
+    "OUTPUTS",
+    "UsageError",
+    "checkpoint_state_dir",
+    "init_params",
+    "load_config_tokenizer",
+    "main",
+    "make_batches",
+    "measure",
+    "parse_flags",
+    "plot",
+    "restore_params",
+    "run",
+    "recipe_results",
+    "table",
+]
 
 DATA_MODES = ("config", "bundled", "synthetic")
-INIT_KEY_SALT = 0  # the trainer's: params are initialised from fold_in(key(seed), 0)
 OUTPUTS = diag.OUTPUT_NAMES  # fprop: y, dgrad: dx, wgrad: dW
 
 
@@ -53,17 +73,6 @@ class UsageError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------
 # model, weights and batches
-
-
-def build_model_config(config, vocab_size: int | None) -> LlamaConfig:
-    """The config's Llama (size + non-None model overrides), vocab from the config or `vocab_size`."""
-    overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
-    if vocab_size is not None:
-        overrides.setdefault("vocab_size", vocab_size)
-    model_cfg = llama_config(config.model.size, **overrides)
-    if model_cfg.max_seq_len < config.seq_len:
-        model_cfg = dataclasses.replace(model_cfg, max_seq_len=config.seq_len)
-    return model_cfg
 
 
 def load_config_tokenizer(config, data: str):
@@ -77,26 +86,26 @@ def load_config_tokenizer(config, data: str):
 
 
 def init_params(model_cfg: LlamaConfig, seed: int) -> dict:
-    """The trainer's step-0 params (same key, same layout), unboxed."""
-    model = Llama(model_cfg)
+    """The trainer's step-0 params (its init function and key, training.setup), unboxed."""
     tokens = jnp.zeros((1, min(model_cfg.max_seq_len, 64)), jnp.int32)
-    key = jax.random.fold_in(jax.random.key(seed), INIT_KEY_SALT)
-    return nn.meta.unbox(jax.jit(model.init)({"params": key}, tokens)["params"])
+    init = functools.partial(llama.init_variables, Llama(model_cfg))
+    return nn.meta.unbox(jax.jit(init)({"params": setup.init_key(seed)}, tokens)["params"])
 
 
 def checkpoint_state_dir(path: str) -> str:
-    """<step>/state of the newest step under a run directory, its checkpoints/ or one step's directory."""
-    path = os.path.abspath(path)
-    if os.path.isdir(os.path.join(path, "state")):
-        return os.path.join(path, "state")
-    root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
-    steps = sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
-    steps = [s for s in steps if os.path.isdir(os.path.join(root, str(s), "state"))]
-    if not steps:
-        raise UsageError(
-            f"no checkpoint under {path}: give a run directory, its checkpoints/ or one step's directory"
-        )
-    return os.path.join(root, str(steps[-1]), "state")
+    """<step>/state of the newest good step of a run directory, its checkpoints/ or one step's directory:
+    the trainer's init_checkpoint lookup (training.checkpoint.open_init_checkpoint), and a step whose
+    manifest's checksums fail is passed over as the trainer passes it over."""
+    manager, max_step = checkpoint.open_init_checkpoint(path)
+    found = integrity.step_dirs(str(manager.directory))
+    for step in sorted((s for s in found if max_step is None or s <= max_step), reverse=True):
+        step_dir = found[step]
+        good = not integrity.has_manifest(step_dir) or integrity.verify(step_dir) is None
+        if good and os.path.isdir(os.path.join(step_dir, "state")):
+            return os.path.join(step_dir, "state")
+    raise UsageError(
+        f"no checkpoint under {path}: give a run directory, its checkpoints/ or one step's directory"
+    )
 
 
 def restore_params(path: str) -> dict:
@@ -174,7 +183,7 @@ def measure(model_cfg, params, batches, recipes, *, layers=None, n_draws=8, seed
     return totals
 
 
-def summarize(model_cfg, totals: dict) -> dict:
+def recipe_results(model_cfg, totals: dict) -> dict:
     """Per recipe: by_kind {kind: {gemm: {quantity}}}, per_layer {layer: {kind: ...}}, layer_wgrad_rel_err."""
     out = {}
     for name, items in totals.items():
@@ -305,7 +314,7 @@ def run(config, fv) -> dict:
     seed = config.seed if fv.seed is None else fv.seed
     tokenizer = load_config_tokenizer(config, fv.data)
     vocab = padded_vocab_size(tokenizer.vocab_size) if tokenizer is not None else None
-    model_cfg = build_model_config(config, vocab)
+    model_cfg = setup.model_config(config, vocab)
     layers = None if fv.layers is None else {int(i) for i in fv.layers.split(",") if i}
     if layers is not None and not layers <= set(range(model_cfg.n_layers)):
         raise UsageError(f"--layers {fv.layers}: blocks are 0..{model_cfg.n_layers - 1}")
@@ -323,7 +332,7 @@ def run(config, fv) -> dict:
     )
     log = functools.partial(print, file=sys.stderr, flush=True)
     totals = measure(model_cfg, params, batches, recipes, layers=layers, n_draws=fv.draws, seed=seed, log=log)
-    results = summarize(model_cfg, totals)
+    results = recipe_results(model_cfg, totals)
     return {
         "config": config_flags.get_config_filename(fv["config"]),
         "checkpoint": fv.checkpoint,
@@ -341,6 +350,7 @@ def run(config, fv) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv if argv is None else list(argv)
+    logs.configure()
     try:
         config, fv = parse_flags(argv)
         result = run(config, fv)

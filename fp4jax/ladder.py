@@ -29,7 +29,10 @@ import re
 import signal
 import sys
 
+from fp4jax import logs
 from fp4jax.study import analysis, report, runner
+
+__all__ = ["build_parser", "cmd_report", "cmd_run", "main", "parse_overrides", "parse_rungs"]
 
 
 def parse_rungs(specs, rung_sets=(), rung_seeds=(), recipes=None) -> list[runner.Rung]:
@@ -156,6 +159,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    logs.configure()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command == "report" and (unknown or passthrough):

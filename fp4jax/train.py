@@ -18,8 +18,9 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from fp4jax import logs
 from fp4jax.data import DataError
-from fp4jax.training.errors import UserError
+from fp4jax.training.errors import DIVERGED_EXIT_CODE, UserError
 from fp4jax.training.setup import apply_xla_options, initialize_distributed
 from fp4jax.training.trainer import train
 
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
     DataError) become one line; anything else propagates with its traceback (exit 1)."""
     argv = sys.argv if argv is None else list(argv)
     debug = "--debug" in argv
+    logs.configure()
     try:
         config, workdir, debug = parse_flags(argv)
         apply_xla_options(config)
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
             "interrupted: stopped at once, unsaved; rerun to continue from the newest checkpoint", 130
         )
     if summary["status"] == "diverged":
-        return _fail(summary["divergence_message"], 3)
+        return _fail(summary["divergence_message"], DIVERGED_EXIT_CODE)
     return 0
 
 

@@ -8,6 +8,8 @@ boolean flag named bare (`--xla_foo`) is true. A longer flag that starts with th
 import os
 import re
 
+__all__ = ["DETERMINISTIC_OPS", "TRITON_GEMM", "boolean", "values"]
+
 _TRUE, _FALSE = ("", "true", "1"), ("false", "0")
 
 # The flags fp4jax reads or writes (the trainer's options: training/setup.py XLA_OPTIONS).

@@ -83,7 +83,10 @@ jax.config.update("jax_threefry_partitionable", True)
 import pytest  # noqa: E402
 from tiny_runs import good_run, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
+from fp4jax import logs  # noqa: E402
 from fp4jax.ops.kernels import probes  # noqa: E402
+
+logs.configure()  # as the command lines do: tests read the trainer's messages on stderr
 
 
 def pytest_report_header(config):

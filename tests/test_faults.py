@@ -170,6 +170,7 @@ def test_nan_exits_3_with_what_is_known_and_writes_the_summary(tmp_path, token_c
         3,
         "non_finite_loss",
     )
+    assert (summary["divergence"]["kind"], summary["divergence"]["step"]) == ("non_finite_loss", 3)
     assert summary["diverged_tokens"] == 3 * 8 * 32 and [s for s, _ in summary["last_finite_losses"]] == [
         1,
         2,

@@ -6,6 +6,7 @@ Each trainer run is a subprocess on one CPU device (a 32-token tiny model for 6 
 """
 
 import json
+import math
 import os
 import sys
 
@@ -130,28 +131,23 @@ def test_a_crash_after_a_preempted_attempt_is_not_read_as_preempted(tmp_path, mo
     assert "Traceback: boom" in (run_dir / "train.log").read_text()
 
 
-def test_an_older_trainers_divergence_without_summary_gets_one(tmp_path, monkeypatch):
-    """Exit 3 and no summary.json (trainers before contract A): the ladder derives it from the metrics and
-    the NaN guard's message."""
+def test_a_divergence_without_summary_gets_one_from_the_metrics(tmp_path, monkeypatch):
+    """Exit 3 and no summary.json (the trainer died before writing it): the ladder derives the summary
+    from metrics.jsonl, whose last training line is the update the guard rejected."""
     run_dir = tmp_path / "tiny" / "seed0"
-    lines = [{"step": s, "loss": 9.0 - s, "tokens": 256 * s, "sequences": 8 * s} for s in (1, 2)]
-    script = (
-        "import json, sys\n"
-        f"with open({str(run_dir / 'metrics.jsonl')!r}, 'w') as f:\n"
-        f"    f.writelines(json.dumps(r) + '\\n' for r in {lines!r})\n"
-        "print('error: non-finite loss (nan) at step 3; lower optimizer.peak_lr', file=sys.stderr)\n"
-        "sys.exit(3)\n"
-    )
+    lines = [
+        {"step": s, "loss": 9.0 - s, "grad_norm": 1.0, "tokens": 256 * s, "sequences": 8 * s} for s in (1, 2)
+    ]
+    lines.append({"step": 3, "loss": float("nan"), "grad_norm": 1.0, "tokens": 768, "sequences": 24})
+    text = "".join(json.dumps(r) + "\n" for r in lines)
+    script = f"import sys\nopen({str(run_dir / 'metrics.jsonl')!r}, 'w').write({text!r})\nsys.exit(3)\n"
     spec, done = _fake_grid(tmp_path, monkeypatch, [sys.executable, "-c", script])
     summary = runs.read_json(str(run_dir / "summary.json"))
-    assert summary == done[spec.label] and summary["written_by"] == "ladder"
-    assert (
-        summary["status"] == "diverged"
-        and summary["diverged_step"] == 3
-        and summary["diverged_tokens"] == 768
-    )
-    assert summary["divergence_reason"] == "non_finite_loss"
+    assert summary["written_by"] == "ladder" and summary["status"] == "diverged"
+    assert (summary["diverged_step"], summary["diverged_tokens"]) == (3, 768)
+    assert summary["divergence_reason"] == "non_finite_loss" and summary["divergence"]["step"] == 3
     assert summary["last_finite_losses"] == [[1, 8.0], [2, 7.0]]
+    assert math.isnan(done[spec.label]["divergence"]["value"])
 
 
 def test_device_env_pins_one_gpu_on_cuda_and_rocm():

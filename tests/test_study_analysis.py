@@ -15,7 +15,8 @@ TOKENS_PER_STEP = 100
 
 
 def write_run(run_dir, evals, *, status="reached", target=3.3, tokens_per_s=1000.0, extra=None, summary=True):
-    """A contract-A run: evals [(step, loss)], metrics.jsonl with 10 train steps a eval, and summary.json."""
+    """A run as the trainer writes it (training/summary.py): evals [(step, loss)], metrics.jsonl with 10
+    train steps a eval, and summary.json."""
     os.makedirs(run_dir, exist_ok=True)
     last = evals[-1][0] if evals else 10
     lines = [
@@ -171,14 +172,16 @@ def test_derived_summary_of_a_diverged_and_a_crashed_run(tmp_path):
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 5, "loss": 5.5, "tokens": 500, "sequences": 5}) + "\n")
     records = runs.read_records(str(tmp_path))
-    log = "...\nerror: non-finite grad_norm (inf) at step 7; the last good checkpoint is kept\n"
-    d = runs.derive_summary(records, exit_code=3, failure=None, log_text=log, target=5.9)
-    assert d["status"] == "diverged" and d["diverged_step"] == 7 and d["diverged_tokens"] == 700
-    assert d["divergence_reason"] == "non_finite_grad"
+    no_nan = runs.derive_summary(records, exit_code=3, failure=None)
+    assert no_nan["diverged_step"] == 6 and no_nan["divergence"]["kind"] is None  # after the last one logged
+    rejected = {"step": 6, "loss": 5.2, "grad_norm": float("inf"), "tokens": 600, "sequences": 6}
+    records.append(json.loads(json.dumps(rejected)))  # the trainer logs the update its guard rejects
+    d = runs.derive_summary(records, exit_code=3, failure=None, target=5.9)
+    assert d["status"] == "diverged" and d["diverged_step"] == 6 and d["diverged_tokens"] == 600
+    assert d["divergence"] == {"kind": "non_finite_grad_norm", "step": 6, "value": float("inf")}
+    assert d["divergence_reason"] == "non_finite_grad_norm"
     assert d["last_finite_losses"][-1] == [5, 5.5] and len(d["last_finite_losses"]) == 5
     assert d["evals"] == [[4, None, 400, 6.0]] and d["tokens_to_target"] is None
-    no_log = runs.derive_summary(records, exit_code=3, failure=None)
-    assert no_log["diverged_step"] == 6  # the step after the last one logged
     crash = runs.derive_summary(records, exit_code=1, failure="exit code 1", target=6.5)
     assert crash["status"] == "failed" and crash["diverged_step"] is None and crash["tokens_to_target"] == 400
     assert runs.status_of(crash) == "failed" and not math.isnan(crash["tokens_per_s_median"])
@@ -210,8 +213,8 @@ def test_lr_sweep_table_and_report_files(tmp_path):
 
 
 def test_diagnostics_over_training_are_reduced_tabled_and_plotted(tmp_path):
-    """Probe lines (contract C) on steps 5 and 10: the mean over layer kinds per GEMM, the last probe by kind,
-    and the overhead sum(diag_time_s) / sum(step_time_s)."""
+    """Probe lines (diag/<kind>/<gemm>/<quantity>) on steps 5 and 10: the mean over layer kinds per GEMM, the
+    last probe by kind, and the overhead sum(diag_time_s) / sum(step_time_s)."""
     write_run(tmp_path / "fp8" / "seed0", BASE[0])
     path = tmp_path / "fp8" / "seed0" / "metrics.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines()]

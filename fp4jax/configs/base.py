@@ -42,6 +42,8 @@ from ml_collections import config_dict
 
 from fp4jax.data import MLPERF_TRAIN_GLOB, default_data_config
 
+__all__ = ["MLPERF_EVAL_EVERY_SEQUENCES", "MLPERF_EVAL_SEQUENCES", "get_config", "model_config"]
+
 # BF16 reference at global batch 32 (docs/reference.md, MLPerf): ~179.4k sequences = ~5.6k steps to reach 3.3.
 MLPERF_EVAL_EVERY_SEQUENCES = 12_288
 MLPERF_EVAL_SEQUENCES = 1024

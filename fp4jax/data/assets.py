@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+__all__ = ["ASSETS_DIR", "BUNDLED_DATA_DIR", "first_line"]
+
 ASSETS_DIR = Path(__file__).parent / "assets"
 BUNDLED_DATA_DIR = ASSETS_DIR / "c4_en_sample"
 

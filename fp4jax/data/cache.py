@@ -33,6 +33,19 @@ from fp4jax.data.packing import TokenStream
 from fp4jax.data.sources import DocumentSource, ReadStats, check_bad_record_policy
 from fp4jax.data.tokenizers import Tokenizer, load_tokenizer
 
+__all__ = [
+    "CACHE_ENV",
+    "CACHE_VERSION",
+    "DOCS_PER_TASK",
+    "Shard",
+    "available_cpus",
+    "build_shard",
+    "cache_root",
+    "load_shard",
+    "load_token_stream",
+    "shard_paths",
+]
+
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1

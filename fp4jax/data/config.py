@@ -21,6 +21,17 @@ from fp4jax.data.sources import (
 )
 from fp4jax.data.tokenizers import SEPARATORS
 
+__all__ = [
+    "MLPERF_MERGED_EVAL_GLOB",
+    "MLPERF_MERGED_TRAIN_GLOB",
+    "MLPERF_TRAIN_GLOB",
+    "SOURCES",
+    "check_data_config",
+    "default_data_config",
+    "eval_sources",
+    "train_sources",
+]
+
 MLPERF_TRAIN_GLOB = "c4-train.{00768..00895}-of-01024.json.gz"
 MLPERF_MERGED_TRAIN_GLOB = "c4-train.en_6.json.gz"
 MLPERF_MERGED_EVAL_GLOB = "c4-validation-91205-samples.en.json.gz"

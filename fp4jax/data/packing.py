@@ -18,6 +18,8 @@ import numpy as np
 
 from fp4jax.data.errors import DataError
 
+__all__ = ["TokenStream", "make_batch", "num_windows", "pack_documents"]
+
 
 def pack_documents(documents: Iterable[Sequence[int]], eod_id: int | None) -> np.ndarray:
     """The token stream: each document's ids followed by `eod_id` (None: nothing), concatenated (int64)."""

@@ -10,15 +10,16 @@ validation split (the files MLPerf evaluates on) is tokenized whole.
 
 from __future__ import annotations
 
-import logging
-
 from absl import app, flags
 from ml_collections import config_flags
 
+from fp4jax import logs
 from fp4jax.data.cache import available_cpus, cache_root, load_token_stream
 from fp4jax.data.config import default_data_config, eval_sources, train_sources
 from fp4jax.data.packing import num_windows
 from fp4jax.data.tokenizers import load_tokenizer
+
+__all__ = ["main", "prepare"]
 
 _DATA = config_flags.DEFINE_config_dict("data", default_data_config(), "data configuration")
 _SPLITS = flags.DEFINE_list("splits", ["train", "eval"], "which splits to tokenize: train, eval")
@@ -52,7 +53,7 @@ def prepare(cfg, splits: list[str], processes: int, seq_len: int) -> dict[str, d
 
 def main(argv: list[str]) -> None:
     del argv
-    logging.basicConfig(level=logging.INFO)
+    logs.configure()
     cfg = _DATA.value
     unknown = set(_SPLITS.value) - {"train", "eval"}
     if unknown:

@@ -22,6 +22,24 @@ from pathlib import Path
 from fp4jax.data.assets import ASSETS_DIR, BUNDLED_DATA_DIR, first_line  # noqa: F401 (re-exported)
 from fp4jax.data.errors import DataError
 
+__all__ = [
+    "BAD_RECORD_POLICIES",
+    "BUNDLED",
+    "DocumentSource",
+    "ReadStats",
+    "check_bad_record_policy",
+    "eval_files",
+    "expand_braces",
+    "file_fingerprint",
+    "json_sources",
+    "location_dir",
+    "read_json_file",
+    "read_tfds_split",
+    "resolve_files",
+    "tfds_source",
+    "train_files",
+]
+
 log = logging.getLogger(__name__)
 
 BUNDLED = "bundled"

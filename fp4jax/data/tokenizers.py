@@ -22,6 +22,18 @@ import tiktoken.load
 from fp4jax.data.assets import ASSETS_DIR, first_line
 from fp4jax.data.errors import DataError
 
+__all__ = [
+    "GPT2_FILE",
+    "GPT2_PAT",
+    "LLAMA3_ENV",
+    "LLAMA3_PAT",
+    "MAX_RUN",
+    "SEPARATORS",
+    "Tokenizer",
+    "find_llama3_file",
+    "load_tokenizer",
+]
+
 SEPARATORS = ("eod", "bos", "none")
 GPT2_FILE = ASSETS_DIR / "tokenizers" / "gpt2" / "r50k_base.tiktoken"
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

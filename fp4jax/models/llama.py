@@ -45,6 +45,45 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax.ops import QuantDotGeneral, get_recipe
 
+__all__ = [
+    "ACT_BTD",
+    "ACT_BTF",
+    "ACT_BTKH",
+    "ACT_BTNH",
+    "ACT_BTV",
+    "ATTENTION_FORWARD_PRIMITIVE",
+    "ATTENTION_OPTIONS",
+    "PROJ_NAMES",
+    "REMAT_OPTIONS",
+    "SIZES",
+    "Attention",
+    "Block",
+    "Llama",
+    "LlamaConfig",
+    "Mlp",
+    "RMSNorm",
+    "apply_rope",
+    "attention_implementation",
+    "block_segments",
+    "causal_attention",
+    "flops_per_token",
+    "init_variables",
+    "llama31_scale_frequencies",
+    "llama_config",
+    "lm_head_logits",
+    "matmul_param_count",
+    "output_init_std",
+    "padded_vocab_size",
+    "param_count",
+    "remat_policy",
+    "rope_frequencies",
+    "rope_tables",
+    "saves_attention_forward",
+    "segment_name",
+    "stack_layer_params",
+    "unstack_layer_params",
+]
+
 # Logical axis names of activations (params use "embed" etc.; see sharding.LOGICAL_RULES).
 ACT_BTD = ("batch", "length", "act_embed")
 ACT_BTNH = ("batch", "length", "heads", "head_dim")

@@ -28,6 +28,18 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+__all__ = [
+    "LOGICAL_RULES",
+    "MESH_AXES",
+    "batch_sharding",
+    "check_global_batch",
+    "data_parallel_size",
+    "init_sharded",
+    "logical_shardings",
+    "make_mesh",
+    "sharding_context",
+]
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (

@@ -12,8 +12,9 @@ Definitions:
   treating the two means as independent: (mean_rung / mean_baseline) x sqrt(se_r^2 / mean_r^2 +
   se_b^2 / mean_b^2), se = sd / sqrt(n); undefined when either side has fewer than 2 seeds that reached.
   Paired form beside it: mean and sd over seeds of (t_rung,k / t_baseline,k - 1), seeds where both reached.
-- throughput: a run's median training tokens/s (its summary's tokens_per_s_median, else the median over its
-  logged steps after the first 3, which compile); a rung's is the mean over its runs.
+- throughput: a run's median training tokens/s (its summary's tokens_per_s_median, else the same rule,
+  training.metrics.median_tokens_per_s, over its metrics.jsonl: the updates after the first 3, which
+  compile); a rung's is the mean over its runs.
 - time to target T = mean tokens to target / throughput. End-to-end speed-up = T_baseline / T_rung; time
   saved = 1 - T_rung / T_baseline. Their standard errors carry the overhead's relative error only
   (throughput is taken as exact).
@@ -29,6 +30,27 @@ import statistics
 
 from fp4jax.study import runs
 
+__all__ = [
+    "GEMMS",
+    "NO_BASE",
+    "OUTCOMES",
+    "SELF",
+    "StudyRun",
+    "analyze",
+    "crossing",
+    "diagnostics",
+    "group_stats",
+    "load_run",
+    "load_runs",
+    "lr_sensitivity",
+    "mean_sd",
+    "outcome",
+    "overhead",
+    "resolve_target",
+    "run_row",
+    "speedup",
+]
+
 GEMMS = ("fprop", "dgrad", "wgrad")
 OUTCOMES = ("reached", "not_reached", "diverged", "failed", "unfinished")
 SELF = {"token_overhead": 0.0, "token_overhead_se": None, "relative_se": None, "paired": None}
@@ -36,11 +58,14 @@ NO_BASE = {"tokens_to_target_mean": None, "tokens_to_target_sd": None, "tokens_p
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class StudyRun:
+    """One run of a study as the report reads it (its directory's summary.json and metrics.jsonl)."""
+
     rung: str
     lr: float | None
     seed: int
-    status: str  # a contract-A status, "failed", or "unfinished" (no summary yet, or preempted)
+    # a run summary's status (training/summary.py), "failed", or "unfinished" (no summary yet, or preempted)
+    status: str
     evals: tuple[tuple[int, int, float], ...]  # (step, tokens, eval loss)
     target_eval_loss: float | None
     tokens: int | None  # trained
@@ -53,14 +78,14 @@ class Run:
     diagnostics: dict | None = None  # diagnostics(records)
 
 
-def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Run:
+def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> StudyRun:
     """A run from its summary.json (either trainer's) and metrics.jsonl."""
     summary = runs.read_json(runs.summary_path(run_dir))
     records = runs.read_records(run_dir)
     s = summary or {}
     status = runs.status_of(summary)
     evals = runs.evals_from(summary, records)
-    return Run(
+    return StudyRun(
         rung=rung,
         lr=lr,
         seed=seed if seed is not None else s.get("seed") or 0,
@@ -79,7 +104,8 @@ def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Run
 
 
 def diagnostics(records: list[dict]) -> dict | None:
-    """The per-GEMM probe's lines (contract C: "diag/<kind>/<gemm>/<quantity>" in training lines), reduced:
+    """The per-GEMM probe's lines ("diag/<kind>/<gemm>/<quantity>" keys of training lines,
+    docs/diagnostics.md), reduced:
     at each probed step, out_rel_err per GEMM as the mean over layer kinds; the last probe's out_rel_err
     per kind and GEMM, and its per-layer Wgrad error; overhead = sum diag_time_s / sum step_time_s over the
     run (the trainer leaves the probe's time out of step_time_s), which includes the probe's one-time
@@ -118,7 +144,7 @@ def _probe_steps(probed: list[dict], train: list[dict]) -> float | None:
     return statistics.median(r["diag_time_s"] for r in probed[1:]) / statistics.median(steps)
 
 
-def load_runs(root: str) -> list[Run]:
+def load_runs(root: str) -> list[StudyRun]:
     return [load_run(*found) for found in runs.find_runs(root)]
 
 
@@ -139,7 +165,7 @@ def crossing(evals, target: float) -> dict | None:
     return None
 
 
-def outcome(run: Run, target: float) -> str:
+def outcome(run: StudyRun, target: float) -> str:
     """reached / not_reached / diverged / failed / unfinished against the report's target (which may differ
     from the one the run stopped at); a run that crossed the target before it diverged has reached it."""
     if run.status == "unfinished":
@@ -149,7 +175,7 @@ def outcome(run: Run, target: float) -> str:
     return "not_reached" if run.status in ("reached", "not_reached") else run.status
 
 
-def run_row(run: Run, target: float) -> dict:
+def run_row(run: StudyRun, target: float) -> dict:
     hit = crossing(run.evals, target)
     return {
         "rung": run.rung,
@@ -257,7 +283,7 @@ def _ratio(a, b):
 # ------------------------------------------------------------------------------------------ the study
 
 
-def resolve_target(all_runs: list[Run], baseline: str, spec: str) -> tuple[float, str]:
+def resolve_target(all_runs: list[StudyRun], baseline: str, spec: str) -> tuple[float, str]:
     """(target eval loss, the rule that chose it) for --target: "config" (the runs' target_eval_loss, one
     value), a number, or "auto" / "auto+MARGIN" (the worst over the baseline's runs of their best eval
     loss, plus MARGIN nats, so that every baseline run that evaluated reaches it)."""
@@ -281,7 +307,7 @@ def resolve_target(all_runs: list[Run], baseline: str, spec: str) -> tuple[float
         raise ValueError(f"--target {spec!r}: use config, auto, auto+MARGIN or a loss in nats") from None
 
 
-def analyze(all_runs: list[Run], baseline: str, target_spec: str = "config", rungs=None) -> dict:
+def analyze(all_runs: list[StudyRun], baseline: str, target_spec: str = "config", rungs=None) -> dict:
     """The study's JSON: target and its rule, one group a (rung, peak LR) with overhead and speed-up
     against the baseline at the same LR (or its only LR), names of rungs asked for but absent."""
     found = sorted({r.rung for r in all_runs})

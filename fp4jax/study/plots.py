@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+__all__ = ["plot_all", "plot_curves", "plot_diagnostics", "plot_lr", "plot_overhead"]
+
 
 def _pyplot():
     import matplotlib

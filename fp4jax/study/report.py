@@ -5,6 +5,18 @@ from __future__ import annotations
 import json
 import os
 
+__all__ = [
+    "SEED_OUTCOMES",
+    "diagnostics_table",
+    "group_line",
+    "ladder_table",
+    "lr_table",
+    "seed_outcome",
+    "to_markdown",
+    "tokens_cell",
+    "write",
+]
+
 SEED_OUTCOMES = (("reached", "reached"), ("diverged", "diverged"), ("not_reached", "ran out"))
 
 

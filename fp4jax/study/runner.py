@@ -20,6 +20,29 @@ import time
 
 from fp4jax.study import runs
 
+__all__ = [
+    "POLL_S",
+    "TERM_GRACE_S",
+    "Job",
+    "RunSpec",
+    "Rung",
+    "accelerator_kind",
+    "config_infos",
+    "default_gpus",
+    "derive",
+    "describe",
+    "device_env",
+    "finish",
+    "load_config",
+    "plan",
+    "poll",
+    "progress_line",
+    "record_attempt",
+    "run_grid",
+    "start",
+    "stop_all",
+]
+
 TERM_GRACE_S = 180  # after SIGTERM a run saves a checkpoint; then it is killed
 POLL_S = 0.5
 
@@ -121,7 +144,6 @@ class Job:
     run_dir: str
     proc: subprocess.Popen
     log_file: object
-    log_offset: int
     summary_mtime: float | None
     started: float
     gpus: list[str]
@@ -157,7 +179,6 @@ def start(spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s,
         run_dir,
         proc,
         log,
-        log.tell(),
         _mtime(runs.summary_path(run_dir)),
         time.monotonic(),
         gpus,
@@ -203,14 +224,10 @@ def finish(job: Job, code: int, config_info: dict) -> dict:
 
 
 def derive(job: Job, code: int, failure: str | None, config_info: dict, wall: float) -> dict:
-    with open(os.path.join(job.run_dir, "train.log"), encoding="utf-8", errors="replace") as f:
-        f.seek(job.log_offset)
-        log_text = f.read()
     summary = runs.derive_summary(
         runs.read_records(job.run_dir),
         exit_code=code,
         failure=failure,
-        log_text=log_text,
         target=config_info.get("target_eval_loss"),
         recipe=config_info.get("recipe"),
         seed=job.spec.seed,

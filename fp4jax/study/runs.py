@@ -1,4 +1,5 @@
-"""A run directory of a study and its summary.json (contract A), whichever trainer wrote it.
+"""A run directory of a study and its run summary (summary.json, training/summary.py), whichever trainer
+wrote it.
 
 Layout: <root>/<rung>[/lr<peak lr>]/seed<k>/ holds one run: metrics.jsonl and summary.json (the trainer's),
 train.log and ladder_run.json (the ladder's). A directory <root>/<rung>/ that itself holds metrics.jsonl is a
@@ -16,18 +17,34 @@ import json
 import math
 import os
 import re
-import statistics
 
-from fp4jax.training.metrics import read_metrics
+from fp4jax.training.divergence import LAST_FINITE
+from fp4jax.training.errors import DIVERGED_EXIT_CODE as DIVERGED_EXIT
+from fp4jax.training.metrics import median_tokens_per_s, read_metrics
+
+__all__ = [
+    "DIVERGED_EXIT",
+    "FINAL_STATUSES",
+    "OLD_STATUSES",
+    "RUN_FILES",
+    "derive_summary",
+    "divergence_from_records",
+    "evals_from",
+    "find_runs",
+    "first_at_or_below",
+    "is_finished",
+    "median_tokens_per_s",
+    "parse_run_path",
+    "read_json",
+    "read_records",
+    "status_of",
+    "summary_path",
+    "train_records",
+    "write_json",
+]
 
 FINAL_STATUSES = ("reached", "not_reached", "diverged", "failed")
 OLD_STATUSES = {"target_reached": "reached", "budget_exhausted": "not_reached"}
-DIVERGED_EXIT = 3
-WARMUP_STEPS = 3  # steps that include compilation, left out of the median throughput
-LAST_FINITE = 10  # train losses kept in last_finite_losses
-# The trainer's NaN guard: "non-finite loss (nan) at step 812; ..." (fp4jax/train.py, check_finite).
-_NON_FINITE = re.compile(r"non-finite (loss|grad_norm) \([^)]*\) at step (\d+)")
-_REASONS = {"loss": "non_finite_loss", "grad_norm": "non_finite_grad"}
 
 
 def summary_path(run_dir: str) -> str:
@@ -52,7 +69,7 @@ def write_json(path: str, obj: dict) -> None:
 
 
 def status_of(summary: dict | None) -> str | None:
-    """The contract-A status of a summary (older names mapped), None without a summary."""
+    """The run summary's status (older names mapped), None without a summary."""
     if summary is None:
         return None
     status = summary.get("status")
@@ -75,7 +92,7 @@ def read_records(run_dir: str) -> list[dict]:
 
 
 def evals_from(summary: dict | None, records: list[dict]) -> list[list]:
-    """[[step, sequences, tokens, eval_loss], ...]: the summary's (contract A, 4 fields) when it has them,
+    """[[step, sequences, tokens, eval_loss], ...]: the summary's (4 fields) when it has them,
     else metrics.jsonl's evaluation lines (older summaries list [step, sequences, loss], without tokens)."""
     evals = (summary or {}).get("evals") or []
     if evals and all(len(e) == 4 for e in evals):
@@ -87,20 +104,14 @@ def train_records(records: list[dict]) -> list[dict]:
     return [r for r in records if "eval_loss" not in r and "loss" in r]
 
 
-def median_tokens_per_s(records: list[dict]) -> float | None:
-    """Median training tokens/s over the logged steps after the first WARMUP_STEPS (which compile)."""
-    rates = [r.get("tokens_per_s") for r in train_records(records) if r["step"] > WARMUP_STEPS]
-    rates = [r for r in rates if r]
-    return statistics.median(rates) if rates else None
-
-
-def divergence_from_log(log_text: str) -> tuple[int | None, str | None]:
-    """(step, reason) from the trainer's last NaN-guard message in its log, (None, None) when absent."""
-    found = _NON_FINITE.findall(log_text)
-    if not found:
-        return None, None
-    key, step = found[-1]
-    return int(step), _REASONS[key]
+def divergence_from_records(records: list[dict]) -> dict | None:
+    """{kind, step, value} of the first training line with a non-finite loss or grad_norm (the trainer
+    logs the update its guard rejects), None when every logged one is finite."""
+    for r in train_records(records):
+        for key, kind in (("loss", "non_finite_loss"), ("grad_norm", "non_finite_grad_norm")):
+            if key in r and not math.isfinite(r[key]):
+                return {"kind": kind, "step": r["step"], "value": r[key]}
+    return None
 
 
 def first_at_or_below(evals: list[list], target: float | None) -> list | None:
@@ -112,27 +123,29 @@ def derive_summary(
     *,
     exit_code: int | None,
     failure: str | None,
-    log_text: str = "",
     target: float | None = None,
     recipe: str | None = None,
     seed: int | None = None,
 ) -> dict:
-    """Contract A's summary for a run that wrote none, from its metrics, exit code and log.
+    """The run summary of a run that wrote none, from its metrics.jsonl and exit code.
 
-    status: "diverged" for exit code 3, else "failed". A diverged run's step is the one the NaN guard names
-    in the log, else the step after the last logged training step (the guard stops before logging the
-    update it rejects); its tokens are that step x the logged tokens per step.
+    status: "diverged" for exit code DIVERGED_EXIT, else "failed". A diverged run's divergence is its first
+    non-finite training line (divergence_from_records), else kind None at the step after the last logged
+    one; its tokens are that step x the logged tokens per step.
     """
     train = train_records(records)
     last = train[-1] if train else {"step": 0, "tokens": 0, "sequences": 0}
     per_step = last["tokens"] / last["step"] if last["step"] else None
     diverged = exit_code == DIVERGED_EXIT
-    step, reason = divergence_from_log(log_text) if diverged else (None, None)
-    if diverged and step is None:
-        step = last["step"] + 1
+    divergence = divergence_from_records(records) if diverged else None
+    if diverged and divergence is None:
+        divergence = {"kind": None, "step": last["step"] + 1, "value": None}
+    step = None if divergence is None else divergence["step"]
     evals = evals_from(None, records)
     hit = first_at_or_below(evals, target) or [None] * 4
     finite = [[r["step"], r["loss"]] for r in train if math.isfinite(r["loss"])]
+    if step is not None:
+        finite = [pair for pair in finite if pair[0] < step]
     return {
         "status": "diverged" if diverged else "failed",
         "failure": None if diverged else failure,
@@ -149,9 +162,10 @@ def derive_summary(
         "tokens_to_target": hit[2],
         "evals": evals,
         "last_eval_loss": evals[-1][3] if evals else None,
+        "divergence": divergence,
         "diverged_step": step,
         "diverged_tokens": None if step is None or per_step is None else round(step * per_step),
-        "divergence_reason": reason,
+        "divergence_reason": None if divergence is None else divergence["kind"],
         "last_finite_losses": finite[-LAST_FINITE:],
         "tokens_per_s_median": median_tokens_per_s(records),
         "wall_time_s": None,

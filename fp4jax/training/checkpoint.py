@@ -14,9 +14,9 @@ checkpoints/quarantine/ and the next older one is tried.
 import dataclasses
 import errno
 import functools
+import logging
 import os
 import shutil
-import sys
 import time
 
 import jax
@@ -27,6 +27,8 @@ from jax.experimental import multihost_utils
 from fp4jax.data import DataError
 from fp4jax.training import integrity
 from fp4jax.training.errors import CheckpointError, DiskFullError
+
+log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")
 META_KEYS = ("evals", "target_step")
@@ -196,7 +198,7 @@ def restore_newest_good(
             tried.append(step)
             continue
         if len(tried) > skipped:
-            _say(f"restored checkpoint {step_dir}, the newest good one")
+            log.warning(f"restored checkpoint {step_dir}, the newest good one")
         return Restored(state, meta, step)
     if len(tried) > skipped:
         raise CheckpointError(
@@ -222,7 +224,7 @@ def _newest_verified(directory: str, may_move: bool, tried: list[int]) -> int | 
             if s in tried:
                 continue
             if not integrity.has_manifest(step_dir):
-                _say(
+                log.warning(
                     f"checkpoint {step_dir} has no manifest (older fp4jax, or stopped before writing it): "
                     "restoring it unverified"
                 )
@@ -245,11 +247,7 @@ def _report_bad(step_dir: str, problem: str, may_move: bool):
     where = ""
     if may_move and jax.process_index() == 0:
         where = f"; moved to {integrity.quarantine(step_dir, problem)}"
-    _say(f"checkpoint {step_dir} is bad: {problem}{where}; trying the next older one")
-
-
-def _say(line: str):
-    print(f"warning: {line}", file=sys.stderr, flush=True)
+    log.warning(f"checkpoint {step_dir} is bad: {problem}{where}; trying the next older one")
 
 
 def open_init_checkpoint(path: str) -> tuple[ocp.CheckpointManager, int | None]:

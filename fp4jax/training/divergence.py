@@ -1,4 +1,7 @@
-"""When a run has diverged (contract A of the study): a non-finite loss or gradient norm, or a loss spike.
+"""When a run has diverged: a non-finite loss or gradient norm, or a loss spike.
+
+The run summary (training/summary.py) records it as data, `divergence: {kind, step, value}`, which the
+study reads; `describe` is the one line for the user.
 
 Loss spike: with divergence.spike_nats > 0, the mean of the last divergence.window training losses exceeds
 the lowest such mean seen so far by more than spike_nats nats. The guard's window and lowest mean travel
@@ -9,13 +12,17 @@ import collections
 import dataclasses
 import math
 
+__all__ = ["KINDS", "Divergence", "DivergenceGuard", "describe"]
+
+KINDS = ("non_finite_loss", "non_finite_grad_norm", "loss_spike")
+
 LAST_FINITE = 10  # how many (step, loss) pairs the summary reports
 
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
+    kind: str  # one of KINDS
     step: int
-    reason: str  # "non_finite_loss" | "non_finite_grad" | "loss_spike"
     value: float  # the offending loss or grad norm; for a spike, the window's mean loss
 
 
@@ -29,15 +36,15 @@ class DivergenceGuard:
         self.best_mean = saved.get("best_mean")
 
     def check(self, step: int, record: dict) -> Divergence | None:
-        for key, reason in (("loss", "non_finite_loss"), ("grad_norm", "non_finite_grad")):
+        for key, kind in (("loss", "non_finite_loss"), ("grad_norm", "non_finite_grad_norm")):
             if not math.isfinite(record[key]):
-                return Divergence(step, reason, record[key])
+                return Divergence(kind, step, record[key])
         self.recent.append([step, record["loss"]])
         if self.spike_nats <= 0 or len(self.recent) < self.window:
             return None
         mean = sum(loss for _, loss in list(self.recent)[-self.window :]) / self.window
         if self.best_mean is not None and mean > self.best_mean + self.spike_nats:
-            return Divergence(step, "loss_spike", mean)
+            return Divergence("loss_spike", step, mean)
         self.best_mean = mean if self.best_mean is None else min(self.best_mean, mean)
         return None
 
@@ -53,10 +60,10 @@ def describe(
     div: Divergence, last_finite: list, resumed_from: int | None, newest_checkpoint: int | None
 ) -> str:
     """One line saying what is known about a divergence: where, the last finite loss, the restore."""
-    if div.reason == "loss_spike":
+    if div.kind == "loss_spike":
         what = f"loss spike at step {div.step}: the mean training loss of the last window is {div.value:.4f}"
     else:
-        key = "loss" if div.reason == "non_finite_loss" else "gradient norm"
+        key = "loss" if div.kind == "non_finite_loss" else "gradient norm"
         what = f"non-finite {key} ({div.value}) at step {div.step}"
     last = (
         f"last finite loss {last_finite[-1][1]:.4f} at step {last_finite[-1][0]}"

@@ -5,6 +5,17 @@ Everything else (a bug in fp4jax, jax or a library) is not caught there: it keep
 which does not depend on the trainer.
 """
 
+__all__ = [
+    "DIVERGED_EXIT_CODE",
+    "CheckpointError",
+    "ConfigError",
+    "DiskFullError",
+    "UserError",
+    "WorkdirError",
+]
+
+DIVERGED_EXIT_CODE = 3  # python -m fp4jax.train's exit code for a diverged run (summary.json is written)
+
 
 class UserError(Exception):
     """Bad input or an environment the user controls; the message is one line naming it and the fix."""

@@ -5,9 +5,12 @@ import time
 
 import jax
 
+__all__ = ["Profiler", "make_probe", "run_probe"]
+
 
 def make_probe(config, model):
-    """The jitted diagnostics probe (contract C) or None when diagnostics.every is 0.
+    """The jitted diagnostics probe (its diag/<kind>/<gemm>/<quantity> metric lines, docs/diagnostics.md)
+    or None when diagnostics.every is 0.
 
     It sees the params before the update and the update's first micro-batch (rows 0, A, 2A, ... under
     gradient accumulation by A, as training.state splits them), with that micro-batch's quantization key.

@@ -20,6 +20,19 @@ import shutil
 import threading
 import zlib
 
+__all__ = [
+    "MANIFEST",
+    "ORBAX_TMP",
+    "QUARANTINE",
+    "has_manifest",
+    "quarantine",
+    "remove_orbax_tmp_dirs",
+    "step_dirs",
+    "verify",
+    "write_manifest",
+    "write_missing_manifests",
+]
+
 MANIFEST = "fp4jax_manifest.json"
 QUARANTINE = "quarantine"
 ORBAX_TMP = ".orbax-checkpoint-tmp"

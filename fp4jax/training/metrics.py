@@ -9,9 +9,26 @@ a training line's loss is the loss of the batch that update `step` used.
 
 import json
 import os
+import statistics
 import time
 
 import jax
+
+__all__ = [
+    "PEAK_BF16_FLOPS",
+    "WARMUP_STEPS",
+    "MetricsWriter",
+    "StepTimer",
+    "median_tokens_per_s",
+    "peak_flops_per_device",
+    "peak_memory_gb",
+    "read_metrics",
+    "truncate_metrics",
+]
+
+# Updates 1..WARMUP_STEPS include compilation (the first update and each first evaluation/checkpoint),
+# so their tokens/s says nothing about the steady state: they are left out of the median throughput.
+WARMUP_STEPS = 3
 
 # Peak dense BF16 FLOP/s per device, matched by substring of jax's device_kind, most specific first.
 # H100/H200 SXM: 989.4 TFLOP/s. MI355X: 256 CUs x 4096 BF16 FLOP/clk x 2.4 GHz = 2.52 PFLOP/s (AMD lists
@@ -149,3 +166,10 @@ def read_metrics(workdir: str) -> list[dict]:
         raise FileNotFoundError(f"{path} does not exist: train into {workdir} first")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def median_tokens_per_s(records: list[dict]) -> float | None:
+    """The run's throughput: the median tokens/s of its training lines after update WARMUP_STEPS; None when
+    it logged none. The one rule for summary.json's tokens_per_s_median and the study's throughput."""
+    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s") and r["step"] > WARMUP_STEPS]
+    return statistics.median(rates) if rates else None

@@ -9,6 +9,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+__all__ = [
+    "MLPERF_LR_TABLE",
+    "SCHEDULES",
+    "constant_schedule",
+    "lr_schedule",
+    "make_optimizer",
+    "make_schedule",
+    "mlperf_lr",
+    "weight_decay_mask",
+]
+
 # Global batch (sequences) -> (peak LR, warmup steps) of the MLPerf llama3.1_8b rules.
 SCHEDULES = ("cosine", "constant")
 MLPERF_LR_TABLE = {16: (4e-4, 16), 32: (8e-4, 128), 64: (8e-4, 96), 128: (2e-3, 256)}

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+__all__ = ["SIGNALS", "StopSignals"]
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 

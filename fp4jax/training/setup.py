@@ -229,19 +229,27 @@ def resolve_run_execution(config, environ=None):
         return resolve_execution(recipe, **overrides, source=source)
 
 
-def build_model(config, tokenizer):
-    """(Llama module, LlamaConfig): the size preset with the config's non-None `model` overrides."""
+def model_config(config, vocab_size: int | None):
+    """The LlamaConfig: the size preset with the config's non-None `model` overrides, `vocab_size` where the
+    config sets none (None: the preset's), and max_seq_len at least the config's seq_len."""
     overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
-    overrides.setdefault("vocab_size", padded_vocab_size(tokenizer.vocab_size))
-    if overrides["vocab_size"] < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size {overrides['vocab_size']} is smaller than tokenizer {tokenizer.name}'s "
-            f"{tokenizer.vocab_size}; leave model.vocab_size unset to derive it"
-        )
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
     with config_values("model: "):
         model_cfg = llama_config(config.model.size, **overrides)
     if model_cfg.max_seq_len < config.seq_len:
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=config.seq_len)
+    return model_cfg
+
+
+def build_model(config, tokenizer):
+    """(Llama module, LlamaConfig): model_config with the tokenizer's padded vocabulary, and the recipe."""
+    model_cfg = model_config(config, padded_vocab_size(tokenizer.vocab_size))
+    if model_cfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {model_cfg.vocab_size} is smaller than tokenizer {tokenizer.name}'s "
+            f"{tokenizer.vocab_size}; leave model.vocab_size unset to derive it"
+        )
     recipe, execution = resolve_run_execution(config)  # here, not while the step is traced: a one-line error
     say(
         f"GEMM back end {execution.backend} ({execution.backend_reason}); "
@@ -261,9 +269,13 @@ def build_model_and_optimizer(config):
 
 def init_train_state(model, tx, mesh, seed: int, seq_len: int):
     """(step-0 TrainState, its shardings): initialised directly into the sharded layout."""
-    init_key = jax.random.fold_in(jax.random.key(seed), INIT_KEY_SALT)
     init_fn = make_init_fn(model, tx, (data_parallel_size(mesh), min(seq_len, 64)))
-    return init_sharded(init_fn, mesh, init_key)
+    return init_sharded(init_fn, mesh, init_key(seed))
+
+
+def init_key(seed: int):
+    """The key the step-0 params are drawn from."""
+    return jax.random.fold_in(jax.random.key(seed), INIT_KEY_SALT)
 
 
 def quant_key(seed: int):

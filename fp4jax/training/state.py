@@ -18,6 +18,8 @@ import optax
 
 from fp4jax.models import llama
 
+__all__ = ["TrainState", "eval_step", "make_init_fn", "token_losses", "train_step"]
+
 # optax.tree.norm replaces the deprecated optax.global_norm (same value: the L2 norm over all leaves);
 # optax releases before optax.tree.norm existed have only the latter.
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm

@@ -1,18 +1,37 @@
-"""<workdir>/summary.json: the run's result (contract A of the study), and whether a run is finished.
+"""The run summary, <workdir>/summary.json: a run's result, and whether a run is finished.
+
+The study (fp4jax/study/runs.py) reads these files; the ladder writes one of the same shape, with
+`written_by: "ladder"`, for a run that wrote none (a crash or a timeout). Keys: status, recipe, seed, steps,
+sequences, tokens, target_eval_loss, steps/sequences/tokens_to_target, evals ([step, sequences, tokens,
+eval_loss] each), last_eval_loss, divergence ({kind, step, value} or None; kind is one of
+training.divergence.KINDS), diverged_step, diverged_tokens, divergence_reason (= divergence.kind),
+last_finite_losses, tokens_per_s_median (training.metrics.median_tokens_per_s), devices, and run extras.
 
 status: "reached" (an evaluation at or below target_eval_loss; the run stopped there with stop_at_target,
 else trained to its budget), "not_reached" (budget spent), "diverged" (see training.divergence), or
 "preempted" (stopped by a signal after a clean save: run again to continue).
 """
 
+import dataclasses
 import json
+import logging
 import os
-import statistics
-import sys
 
 import jax
 
-from fp4jax.training.metrics import read_metrics
+from fp4jax.training import metrics
+
+__all__ = [
+    "FINISHED",
+    "finished_summary",
+    "median_tokens_per_s",
+    "run_summary",
+    "say",
+    "summary_path",
+    "write_summary",
+]
+
+log = logging.getLogger(__name__)
 
 FINISHED = ("reached", "not_reached")
 
@@ -54,21 +73,21 @@ def run_summary(
         "tokens_to_target": None if target is None else target * tokens_per_step,
         "evals": evals,
         "last_eval_loss": evals[-1][-1] if evals else None,
+        "divergence": None if divergence is None else dataclasses.asdict(divergence),
         "diverged_step": None if divergence is None else divergence.step,
         "diverged_tokens": None if divergence is None else divergence.step * tokens_per_step,
-        "divergence_reason": None if divergence is None else divergence.reason,
+        "divergence_reason": None if divergence is None else divergence.kind,
         "devices": devices,
         **extra,
     }
 
 
 def median_tokens_per_s(workdir: str) -> float | None:
-    """Median tokens/s over the run's training lines in metrics.jsonl (robust to compile steps)."""
+    """metrics.median_tokens_per_s of the run's metrics.jsonl; None where this process has none."""
     try:
-        rates = [r["tokens_per_s"] for r in read_metrics(workdir) if "tokens_per_s" in r]
+        return metrics.median_tokens_per_s(metrics.read_metrics(workdir))
     except (OSError, ValueError):
         return None
-    return statistics.median(rates) if rates else None
 
 
 def write_summary(workdir: str, summary: dict):
@@ -84,6 +103,5 @@ def write_summary(workdir: str, summary: dict):
 
 
 def say(line: str):
-    """A one-line message for the user (stderr, process 0 only)."""
-    if jax.process_index() == 0:
-        print(line, file=sys.stderr, flush=True)
+    """A one-line message for the user: logged at INFO (fp4jax.log_setup shows process 0's)."""
+    log.info(line)

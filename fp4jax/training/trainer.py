@@ -26,6 +26,8 @@ from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard, describe
 from fp4jax.training.preemption import StopSignals
 
+__all__ = ["Run", "build_run", "data_hint", "load_data", "restore", "run_loop", "train"]
+
 
 @dataclasses.dataclass
 class Run:
