@@ -12,6 +12,7 @@ run (fp8_delayed, 6 updates, jax 0.10.2 CPU): the largest relative difference of
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,3 +140,56 @@ def test_a_killed_process_is_named_in_one_line_and_the_other_exits_4(tmp_path, t
     ckpts = workdir / "checkpoints"
     verified = [s for s, d in integrity.step_dirs(str(ckpts)).items() if integrity.has_manifest(d)]
     assert max(verified) >= 4 and integrity.verify(str(ckpts / str(max(verified)))) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["one", "all"])
+def test_sigterm_stops_every_process_at_one_step_and_resumes_exactly(
+    who, two_process_run, tmp_path, token_cache, xla_cache
+):
+    """SIGTERM to process 1 only (one host preempted first), or to both (a cluster preemption), after
+    update 2: both stop after the same update (the flag is agreed every 5), one checkpoint of it, exit 0;
+    the same command to 6 updates then logs the uninterrupted 2-process run's numbers bit for bit."""
+    workdir = tmp_path / "run"
+    # Without dispatching ahead the stop comes after update 5 itself, not after 6 already in flight, so
+    # that the run resumes before the good run's end (dispatching ahead changes no number: test_train).
+    procs, logs = _start(workdir, token_cache, xla_cache, steps=100_000, dispatch_ahead=False)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert all(p.poll() is None for p in procs), [_read(log)[-2000:] for log in logs]
+        assert time.monotonic() < deadline, "no 2 updates logged in time"
+        time.sleep(0.1)
+    for p in procs[1:] if who == "one" else procs:
+        p.send_signal(signal.SIGTERM)
+    assert _wait(procs) == [0, 0], [_read(log)[-2000:] for log in logs]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["steps"] == 5
+    stopped = [line for log in logs for line in _read(log).splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and "after update 5; saved checkpoint" in stopped[0], stopped  # process 0's
+    assert "another process" in stopped[0] if who == "one" else "SIGTERM" in stopped[0]
+    assert sorted(integrity.step_dirs(str(workdir / "checkpoints"))) == [2, 4, 5]
+
+    procs, logs = _start(workdir, token_cache, xla_cache, steps=6)
+    assert _wait(procs) == [0, 0], [_read(log)[-2000:] for log in logs]
+    assert compare(workdir) == compare(two_process_run)
+
+
+def test_two_process_checkpoint_continues_on_one_process(two_process_run, good_run, tmp_path, token_cache):
+    """The 2 x 4 run's checkpoint 4 restored by 1 process x 8 devices (its data iterator's state too):
+    updates 5 and 6 read the same batches, so their losses match the 1 x 8 run's within the bound."""
+    from tiny_runs import tiny_config
+
+    from fp4jax.training import trainer
+
+    workdir = tmp_path / "run"
+    shutil.copytree(two_process_run, workdir)
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    (workdir / "summary.json").unlink()
+    summary = trainer.train(tiny_config(token_cache), str(workdir))
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    one = compare(good_run)
+    resumed = compare(workdir)
+    assert [r["step"] for r in resumed] == [r["step"] for r in one]
+    for a, b in zip(resumed[-2:], one[-2:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL), (a, b)
