@@ -7,8 +7,10 @@ heartbeat ends them later with a native abort and a page of log lines. So every 
 a heartbeat of its own in jax's key-value store (a thread, `Watchdog`): a peer whose heartbeat stops
 for FP4JAX_HEARTBEAT_TIMEOUT_S seconds (default 60), or that left the run with an error while this one
 still runs after that long, is named in one line, `error: lost process 1 of 2 (...)`, and the process
-exits EXIT_LOST_PROCESS (4) at once. The coordinator (process 0) gone is seen as the store not
-answering for as long. jax's heartbeat is set to twice that timeout, a backstop that fires later.
+exits EXIT_LOST_PROCESS (4) at once. When the coordinator (process 0) is the one lost, jax's client
+aborts the others natively at once (seen with jax 0.10: its missed_heartbeat_callback cannot be given
+from Python, std::bad_cast), before the store's silence would be noticed here. jax's heartbeat is
+set to twice that timeout, a backstop that fires later.
 
 Timeouts (seconds, from the environment, else DEFAULT_TIMEOUTS_S): FP4JAX_HEARTBEAT_TIMEOUT_S above;
 FP4JAX_INIT_TIMEOUT_S, how long a process waits for the others to join at the start;
