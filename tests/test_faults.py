@@ -145,6 +145,30 @@ def test_full_disk_names_the_checkpoint_and_keeps_the_previous_one(
     assert integrity.verify(str(ckpts / "6")) is None
 
 
+def test_both_checkpointing_modes_save_verified_steps_and_resume(good_run, tmp_path, token_cache, capsys):
+    """--config.async_checkpointing either way, through the command line: a copy of the good run
+    (asynchronous, checkpoints 2, 4, 6) resumes from step 6 and saves 7 and 8, each with a manifest that
+    verifies; both modes log the same numbers."""
+    logged = {}
+    for async_save in (True, False):
+        workdir = tmp_path / f"async_{async_save}"
+        shutil.copytree(good_run, workdir)
+        argv = cli_args(
+            workdir, token_cache, steps=8, checkpoint_every_steps=1, async_checkpointing=async_save
+        )
+        assert cli.main(["fp4jax.train", *argv]) == 0, capsys.readouterr().err
+        ckpts = workdir / "checkpoints"
+        assert sorted(integrity.step_dirs(str(ckpts))) == [6, 7, 8]  # keep_checkpoints 3
+        for step in (7, 8):
+            assert integrity.has_manifest(str(ckpts / str(step))), (async_save, step)
+            assert integrity.verify(str(ckpts / str(step))) is None, (async_save, step)
+        summary = json.loads((workdir / "summary.json").read_text())
+        assert summary["resumed_from_step"] == 6 and summary["steps"] == 8
+        logged[async_save] = compare(workdir)
+    assert [m["step"] for m in logged[False] if m["eval_loss"] is None][-3:] == [6, 7, 8]
+    assert logged[True] == logged[False]
+
+
 def test_disk_full_is_told_from_other_errors():
     chained = RuntimeError("save failed")
     chained.__cause__ = OSError(errno.ENOSPC, "No space left on device")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = ["launch/single_node.sh", "launch/slurm.sbatch", "launch/rocm_container.sh"]
+SCRIPTS = ["launch/single_node.sh", "launch/slurm.sbatch", "launch/rocm_container.sh", "launch/local.sh"]
 
 
 def _shellcheck() -> str | None:

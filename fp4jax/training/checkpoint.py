@@ -4,8 +4,9 @@ Layout: <workdir>/checkpoints/<step>/{state, data, meta, fp4jax_manifest.json}. 
 the TrainState pytree: step, params, opt_state, fp8_meta. `data` (JsonSave) is the data iterator's state,
 so that a resumed run reads exactly the next batch. `meta` (JsonSave) is the run's progress that is not an
 array: evaluations, the step that reached the target, the divergence guard's window, the config. Saves are
-asynchronous: `save` returns once the arrays are copied to host; when orbax has finalised a step, its
-manifest (training.integrity) is written in orbax's background thread.
+asynchronous by default: `save` returns once the arrays are copied to host; when orbax has finalised a
+step, its manifest (training.integrity) is written in orbax's background thread. Synchronous saves
+(config.async_checkpointing=False) return once the step is finalised, and write the manifest then.
 
 Restore takes the newest step whose manifest verifies; a bad step is reported in one line, moved to
 checkpoints/quarantine/ and the next older one is tried.
@@ -39,13 +40,14 @@ def checkpoints_dir(workdir: str) -> str:
 
 
 def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+    """The run's manager. Asynchronous: orbax calls back when a step is finalised and the manifest is
+    written then. Synchronous: `save` returns once the step is finalised and writes the manifest itself
+    (orbax refuses a finalisation callback without its AsyncCheckpointer)."""
     directory = checkpoints_dir(workdir)
     on_finalized = functools.partial(_after_finalize, directory)
+    async_options = ocp.AsyncOptions(post_finalization_callback=on_finalized) if async_save else None
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
-        enable_async_checkpointing=async_save,
-        create=True,
-        async_options=ocp.AsyncOptions(post_finalization_callback=on_finalized),
+        max_to_keep=keep, enable_async_checkpointing=async_save, create=True, async_options=async_options
     )
     return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
 
@@ -68,7 +70,8 @@ def save(manager: ocp.CheckpointManager, step: int, state, data_state: dict, met
     )
     with _disk_full_as_error(manager, state_bytes(state)):
         manager.save(step, args=args)
-        if not manager.is_saving_in_progress():  # a synchronous save: no finalisation callback
+        if not manager.is_saving_in_progress():  # finalised: a synchronous save (no callback), or an
+            # asynchronous one whose callback has already run (then no manifest is missing)
             _after_finalize(str(manager.directory))
 
 

@@ -28,6 +28,7 @@ from fp4jax.models.sharding import (
 )
 from fp4jax.ops import BACKENDS, QUANTIZERS, get_recipe, resolve_execution
 from fp4jax.ops.recipes import resolve_recipe
+from fp4jax.training import distributed
 from fp4jax.training.errors import ConfigError, WorkdirError
 from fp4jax.training.optimizer import make_optimizer, mlperf_lr
 from fp4jax.training.state import eval_step, make_init_fn, train_step
@@ -54,16 +55,10 @@ def config_values(what: str = ""):
 
 
 def initialize_distributed():
-    """jax.distributed.initialize() under SLURM with several tasks (jax reads SLURM's environment), or with
-    JAX_COORDINATOR_ADDRESS plus JAX_NUM_PROCESSES and JAX_PROCESS_ID; nothing for a single process."""
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()
-    elif "JAX_COORDINATOR_ADDRESS" in os.environ:
-        count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
-        jax.distributed.initialize(
-            num_processes=None if count is None else int(count),
-            process_id=None if index is None else int(index),
-        )
+    """jax.distributed under SLURM with several tasks or with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
+    and JAX_PROCESS_ID, with fp4jax's timeouts and a lost process reported in one line
+    (`fp4jax.training.distributed`); nothing for a single process."""
+    distributed.initialize()
 
 
 # The XLA options a config sets, each a boolean config key and the XLA flag it writes. Set before jax

@@ -21,7 +21,7 @@ import ml_collections
 from fp4jax.data import DataError, make_train_iterator
 from fp4jax.models.llama import flops_per_token
 from fp4jax.models.sharding import sharding_context
-from fp4jax.training import checkpoint, evaluation, hooks, integrity, metrics, setup
+from fp4jax.training import checkpoint, distributed, evaluation, hooks, integrity, metrics, setup
 from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard, describe
 from fp4jax.training.preemption import StopSignals
@@ -73,7 +73,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     workdir = setup.prepare_workdir(workdir)
     mesh = setup.make_run_mesh(config)
     setup.check_init_checkpoint(config)
-    with sharding_context(mesh):
+    with sharding_context(mesh), distributed.lost_process_reported():
         run = build_run(config, workdir, mesh, last_step)
         return run_loop(run)
 
