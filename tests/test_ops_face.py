@@ -75,34 +75,6 @@ def test_nothing_outside_ops_imports_the_kernels():
     assert not {k: v for k, v in offenders.items() if v}
 
 
-def test_no_import_circle_inside_fp4jax():
-    modules = _all_modules()
-    graph = {
-        # importing fp4jax.ops.x runs fp4jax.ops first: a submodule's edge to its own package is no circle
-        name: {
-            m
-            for m in _top_level_imports(path, modules)
-            if m in modules and not (name + ".").startswith(m + ".")
-        }
-        for name, path in modules.items()
-    }
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-    def visit(name, path):
-        state[name] = 1
-        for dep in sorted(graph[name]):
-            if state.get(dep) == 1:
-                cycle = path[path.index(dep) :] + [dep] if dep in path else [name, dep]
-                pytest.fail("import circle: " + " -> ".join(cycle))
-            if dep not in state:
-                visit(dep, path + [dep])
-        state[name] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-
-
 def _program(recipe, x, w, dy) -> str:
     def layer(x, w, dy):
         y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, (((1,), (0,)), ((), ())), recipe=recipe), x, w)
