@@ -26,11 +26,11 @@ import argparse
 import dataclasses
 import os
 import re
-import signal
 import sys
 
 from fp4jax import logs
 from fp4jax.study import analysis, report, runner
+from fp4jax.study.command import run_command
 
 __all__ = ["build_parser", "cmd_report", "cmd_run", "main", "parse_overrides", "parse_rungs"]
 
@@ -151,10 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -164,19 +160,9 @@ def main(argv=None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if args.command == "report" and (unknown or passthrough):
         parser.error(f"unrecognized arguments: {' '.join(unknown + passthrough)}")
-    signal.signal(signal.SIGTERM, _interrupt)  # a preempted ladder stops its runs cleanly, as Ctrl-C does
-    try:
-        if args.command == "run":
-            cmd_run(args, unknown + passthrough)  # bare --config.KEY=VALUE arguments pass through too
-        else:
-            cmd_report(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("ladder: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    return 0
+    if args.command == "run":  # bare --config.KEY=VALUE arguments pass through too
+        return run_command(lambda: cmd_run(args, unknown + passthrough), "ladder")
+    return run_command(lambda: cmd_report(args), "ladder")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 
 from fp4jax.study import analysis, plan, report
+from fp4jax.study.command import run_command
 
 
 def cmd_run(args) -> None:
@@ -82,22 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        cmd_run(args) if args.command == "run" else cmd_report(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("study: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    return 0
+    return run_command(lambda: cmd_run(args) if args.command == "run" else cmd_report(args), "study")
 
 
 if __name__ == "__main__":
