@@ -140,3 +140,13 @@ def test_bad_plans_are_one_line_errors(tmp_path, edit, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
         plan.load_plan(str(path))
     assert "\n" not in str(info.value)
+
+
+def test_arm_runs_only_the_named_arms_and_an_unknown_arm_is_one_line(tiny_plan, tmp_path, monkeypatch):
+    _fake(monkeypatch, FINISHER)
+    root = str(tmp_path / "runs")
+    done = plan.run_plan(tiny_plan, root, budget_minutes=5, arms=["b"], log=lambda line: None)
+    assert sorted(done) == ["b/seed0", "b/seed1"]
+    assert not plan.gate_result(root, tiny_plan.stage("gate"))["complete"]  # arm a is still to run
+    with pytest.raises(ValueError, match=r"--arm c: not an arm of these stages; use a, b"):
+        plan.run_plan(tiny_plan, root, budget_minutes=5, arms=["c"], log=lambda line: None)

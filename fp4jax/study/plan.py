@@ -197,6 +197,14 @@ def stage_specs(stage: Stage) -> list[runner.RunSpec]:
     return runner.plan(rungs, list(stage.seeds), None)
 
 
+def _check_arms(arms: list[str] | None, stages: list[Stage]) -> None:
+    known = {arm for stage in stages for arm in stage.arms}
+    unknown = sorted(set(arms or ()) - known)
+    if unknown:
+        names = ", ".join(sorted(known))
+        raise ValueError(f"--arm {', '.join(unknown)}: not an arm of these stages; use {names}")
+
+
 def stage_root(root: str, stage: Stage) -> str:
     return os.path.join(root, stage.name)
 
@@ -273,15 +281,19 @@ def run_plan(
     parallel: int = 1,
     gpus: list[str] | None = None,
     stages: list[str] | None = None,
+    arms: list[str] | None = None,
     overrides: list[str] = (),
     log=print,
     clock=time.monotonic,
 ) -> dict[str, dict]:
     """Runs what is not done of the plan's stages (all, or those named) within the budget; returns
-    {label: summary} of the runs that ended in this call (see the module docstring for the rules)."""
+    {label: summary} of the runs that ended in this call (see the module docstring for the rules).
+    `arms` (names of some stages' arms) runs only those arms now, e.g. the cheap ones first; the
+    report and the gates still read every arm the plan lists."""
     if budget_minutes <= 0:
         raise ValueError(f"--budget-minutes {budget_minutes:g} must be > 0")
     chosen = [plan.stage(name) for name in stages] if stages else list(plan.stages)
+    _check_arms(arms, chosen)
     deadline = clock() + budget_minutes * 60
     kind = runner.accelerator_kind()
     slots = runner._slots(parallel, gpus, 1, kind)
@@ -292,7 +304,7 @@ def run_plan(
             log(f"study: stage {stage.name} waits: {reason}")
             continue
         sroot = stage_root(root, stage)
-        specs = stage_specs(stage)
+        specs = [spec for spec in stage_specs(stage) if not arms or spec.rung.name in arms]
         infos = runner.config_infos(specs, list(overrides))
         todo = []
         for spec in specs:
