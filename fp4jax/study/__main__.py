@@ -7,8 +7,9 @@ its report regenerated from whatever runs exist (fp4jax.study.plan).
 
 `run` never reruns a finished run; a run the budget stops saves a checkpoint and the next call resumes
 it. Exit code 0 when the call ends (whatever the runs' outcomes), 2 for bad input, 130 when interrupted.
-`report` writes DIR/<stage>.md/.json/.png (fp4jax.study.report) and DIR/<stage>_gate.json for a gated
-stage.
+`report` writes DIR/<stage>.md/.json/.png (fp4jax.study.report), DIR/<stage>_gate.json for a gated
+stage, and DIR/claims.md/.json/.png: the pre-registered contrasts and the verdict per claim
+(fp4jax.study.claims).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 import sys
 
-from fp4jax.study import analysis, plan, report
+from fp4jax.study import analysis, claims, plan, report
 from fp4jax.study.command import run_command
 
 
@@ -63,6 +64,36 @@ def cmd_report(args) -> None:
                     json.dump(gate, f, indent=2, sort_keys=True)
                     f.write("\n")
                 print(f"wrote {path}")
+    write_claims(the_plan, args.root, args.out)
+
+
+def write_claims(the_plan, root: str, out: str | None) -> None:
+    """The pre-registered analysis over every paired from-scratch stage (their seeds are shared, so the
+    arms of all of them enter one arm x seed table; a run reused by several stages counts once)."""
+    stages = [
+        s for s in the_plan.stages if s.design == "scratch_paired" and os.path.isdir(plan.stage_root(root, s))
+    ]
+    if not stages:
+        return
+    seen, pooled, arms = set(), [], []
+    for stage in stages:
+        arms += [a for a in stage.arms if a not in arms]
+        for run in analysis.load_runs(plan.stage_root(root, stage)):
+            if (run.rung, run.seed) not in seen:
+                seen.add((run.rung, run.seed))
+                pooled.append(run)
+    last_k = next((s.gate["last_evals"] for s in stages if s.gate), claims.DEFAULT_LAST_K)
+    result = claims.analyze(pooled, stages[0].baseline, arms, last_k)
+    print(claims.to_markdown(result))
+    if out:
+        base = os.path.join(out, "claims")
+        with open(base + ".md", "w", encoding="utf-8") as f:
+            f.write(claims.to_markdown(result))
+        with open(base + ".json", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+            f.write("\n")
+        claims.forest_plot(result, base + ".png")
+        print(f"wrote {base}.md, .json and .png")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,257 @@
+"""The pre-registered analysis of docs/study_plan.md: the primary metric per arm and seed, the paired
+arm x seed model, the contrasts C1-C10 with Holm's correction, each arm's iso-loss token overhead, and a
+verdict per claim. Pure functions over analysis.StudyRun lists (run directories are read elsewhere).
+
+Invariants:
+- the primary metric is the mean eval loss of the last `last_k` periodic evaluations, at the same tokens for
+  every run (stats.final_eval_losses raises otherwise); only runs that ended (not unfinished, not failed,
+  not diverged) enter the table, and the others are listed with their outcome;
+- a block is a seed: every arm with seed k shares its initialisation and data order;
+- the Holm family is the pre-registered contrasts that are estimable from the runs present; while some
+  arms are missing the analysis is marked interim and every verdict that needs a missing arm says so;
+- token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
+  runs' tokens (stats.iso_loss_overhead).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fp4jax.study import stats
+
+__all__ = [
+    "CLAIMS",
+    "CONTRASTS",
+    "DEFAULT_LAST_K",
+    "TOKEN_BAND",
+    "analyze",
+    "claim_verdicts",
+    "forest_plot",
+    "primary_cells",
+    "to_markdown",
+]
+
+# Differences of the primary metric (nats; positive: the first arm is worse). docs/study_plan.md's table.
+CONTRASTS: dict[str, dict[str, float]] = {
+    "C1": {"full": 1, "fprop_dgrad": -1},
+    "C2": {"fprop": 1, "fp8": -1},
+    "C3": {"fprop_dgrad": 1, "fprop": -1},
+    "C4": {"full": 1, "h16_wgrad_only": -1},
+    "C5": {"full_sr": 1, "full": -1},
+    "C6": {"full_sr_prescale": 1, "full": -1},
+    "C7": {"full_rht": 1, "full": -1},
+    "C8": {"tseng": 1, "full": -1},
+    "C9": {"nvidia": 1, "full": -1},
+    "C10": {"full_h16": 1, "fprop": -1},
+}
+# Claim (a)'s ordering C1 > C2 + C3, as one contrast: C1 - C2 - C3 = full - 2 fprop_dgrad + fp8.
+ORDERING = {"full": 1, "fprop_dgrad": -2, "fp8": 1}
+CLAIMS = {
+    "a": "Wgrad drives the degradation (C1 large against C2 and C3)",
+    "b": "SR and random Hadamard do not stabilise full MXFP4 (C5-C7 not < 0)",
+    "c": "deterministic H16 restores full MXFP4 to the Fprop-only level (C10 within +-2.5 % tokens)",
+}
+DEFAULT_LAST_K = 5  # the plan's primary metric averages the last 5 evaluations
+TOKEN_BAND = 0.025  # claim (c)'s equivalence band in token overhead
+CURVE_FRACTION = 0.5  # the baseline's curve is fitted over its last half of tokens
+
+
+def primary_cells(runs, last_k: int) -> tuple[dict, tuple[int, ...], list[dict]]:
+    """({(arm, "seed<k>"): primary metric}, the tokens it averages over, [excluded runs with outcome])."""
+    ended, excluded = {}, []
+    for run in runs:
+        if run.status in ("reached", "not_reached") and len(run.evals) >= last_k:
+            ended[(run.rung, f"seed{run.seed}")] = run.evals
+        else:
+            excluded.append({"arm": run.rung, "seed": run.seed, "status": run.status})
+    if not ended:
+        return {}, (), excluded
+    cells, tokens = stats.final_eval_losses(ended, last_k)
+    return cells, tokens, excluded
+
+
+def _baseline_curve(runs, baseline: str) -> stats.PowerLaw:
+    points = [(t, loss) for r in runs if r.rung == baseline for _, t, loss in r.evals]
+    if not points:
+        raise ValueError(f"the baseline arm {baseline!r} has no evaluations: no curve to convert losses")
+    last = max(t for t, _ in points)
+    tail = [(t, loss) for t, loss in points if t >= CURVE_FRACTION * last]
+    return stats.fit_power_law([t for t, _ in tail], [loss for _, loss in tail])
+
+
+def _with_tokens(row: dict, curve, tokens) -> dict:
+    return dict(row, tokens=stats.iso_loss_overhead(curve, tokens, row["estimate"], row["se"], row["df"]))
+
+
+def analyze(runs, baseline: str, arms, last_k: int) -> dict:
+    """Every number of the pre-registered analysis as JSON-ready data (see the module docstring)."""
+    cells, tokens, excluded = primary_cells(runs, last_k)
+    present = [a for a in arms if any(arm == a for arm, _ in cells)]
+    y, arm_names, blocks = stats.cells_to_table(cells, arms=present)
+    fit = stats.fit_additive(y, arm_names, blocks)
+    curve = _baseline_curve(runs, baseline)
+    estimable = {n: w for n, w in CONTRASTS.items() if set(w) <= set(present)}
+    family = stats.contrast_family(fit, estimable) if estimable and fit.df > 0 else []
+    versus = [
+        stats.contrast(fit, {arm: 1, baseline: -1}, f"{arm} - {baseline}")
+        for arm in present
+        if arm != baseline and fit.df > 0
+    ]
+    ordering = stats.contrast(fit, ORDERING, "C1 - C2 - C3") if set(ORDERING) <= set(present) else None
+    result = {
+        "baseline": baseline,
+        "metric": f"mean eval loss of the last {last_k} evaluations",
+        "metric_tokens": list(tokens),
+        "arms": list(arms),
+        "arms_present": present,
+        "arms_missing": [a for a in arms if a not in present],
+        "interim": any(a not in present for a in arms),
+        "cells": {f"{a}/{b}": v for (a, b), v in sorted(cells.items())},
+        "excluded": excluded,
+        "pooled_sd": None if fit.sigma2 is None else math.sqrt(fit.sigma2),
+        "df": fit.df,
+        "curve": {
+            "E": curve.E,
+            "A": curve.A,
+            "alpha": curve.alpha,
+            "df": curve.df,
+            "points_from": "last half",
+        },
+        "versus_baseline": [_with_tokens(r, curve, tokens) for r in versus],
+        "contrasts": [_with_tokens(r, curve, tokens) for r in family],
+        "ordering": None if ordering is None else _with_tokens(ordering, curve, tokens),
+        "not_estimable": sorted(set(CONTRASTS) - set(estimable), key=lambda n: int(n[1:])),
+    }
+    result["verdicts"] = claim_verdicts(result)
+    return result
+
+
+def _by_name(result: dict) -> dict[str, dict]:
+    return {row["name"]: row for row in result["contrasts"]}
+
+
+def _missing(names, rows) -> list[str]:
+    return [n for n in names if n not in rows]
+
+
+def _verdict_a(rows: dict, ordering: dict | None) -> tuple[str, str]:
+    if _missing(("C1", "C2", "C3"), rows) or ordering is None:
+        return "not yet run", "needs " + ", ".join(_missing(("C1", "C2", "C3"), rows) or ["C1 - C2 - C3"])
+    c1 = rows["C1"]
+    why = (
+        f"C1 = {c1['estimate']:+.4f} nats (Holm p {c1['p_holm']:.3g}); C1 - C2 - C3 = "
+        f"{ordering['estimate']:+.4f} [{ordering['ci_low']:+.4f}, {ordering['ci_high']:+.4f}]"
+    )
+    if c1["reject"] and c1["estimate"] > 0 and ordering["ci_low"] > 0:
+        return "supported", why
+    c2, c3 = rows["C2"], rows["C3"]
+    if not (c1["reject"] and c1["estimate"] > 0) and any(c["reject"] and c["estimate"] > 0 for c in (c2, c3)):
+        return "refuted", why
+    return "not resolved at this scale", why
+
+
+def _verdict_b(rows: dict) -> tuple[str, str]:
+    names = ("C5", "C6", "C7")
+    if _missing(names, rows):
+        return "not yet run", "needs " + ", ".join(_missing(names, rows))
+    helps = [n for n in names if rows[n]["reject"] and rows[n]["estimate"] < 0]
+    why = "; ".join(f"{n} = {rows[n]['estimate']:+.4f} (Holm p {rows[n]['p_holm']:.3g})" for n in names)
+    return ("refuted" if helps else "supported"), why
+
+
+def _verdict_c(rows: dict) -> tuple[str, str]:
+    if "C10" not in rows:
+        return "not yet run", "needs C10"
+    tok = rows["C10"]["tokens"]
+    if tok["overhead"] is None:
+        return "not resolved at this scale", tok.get("note") or "no token conversion"
+    why = f"C10 = {tok['overhead']:+.2%} tokens [{tok['ci_low']:+.2%}, {tok['ci_high']:+.2%}]"
+    if -TOKEN_BAND <= tok["ci_low"] and tok["ci_high"] <= TOKEN_BAND:
+        return "supported", why
+    if tok["ci_low"] > TOKEN_BAND:
+        return "refuted", why
+    return "not resolved at this scale", why
+
+
+def claim_verdicts(result: dict) -> dict[str, dict]:
+    """docs/study_plan.md's decision rules: {claim: {claim, verdict, why}}."""
+    rows = _by_name(result)
+    decided = {"a": _verdict_a(rows, result["ordering"]), "b": _verdict_b(rows), "c": _verdict_c(rows)}
+    return {k: {"claim": CLAIMS[k], "verdict": v, "why": why} for k, (v, why) in decided.items()}
+
+
+def _row(row: dict, holm: bool) -> str:
+    tok = row["tokens"]
+    tokens = (
+        "-"
+        if tok["overhead"] is None
+        else f"{tok['overhead']:+.1%} [{tok['ci_low']:+.1%}, {tok['ci_high']:+.1%}]"
+    )
+    cells = [
+        row["name"],
+        " ".join(f"{w:+g} {a}" for a, w in row["weights"].items()),
+        f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]",
+        tokens,
+        f"{row['p']:.3g}",
+        *([f"{row['p_holm']:.3g}" + (" *" if row["reject"] else "")] if holm else []),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def to_markdown(result: dict) -> str:
+    """The tables a reader wants: each arm against the baseline, the contrasts, the verdicts."""
+    at = ", ".join(f"{t:,}" for t in result["metric_tokens"])
+    lines = [
+        f"Primary metric: {result['metric']} (tokens {at}); "
+        f"paired arm x seed model, pooled residual sd {result['pooled_sd']:.4f} nats ({result['df']} df); "
+        "95 % t intervals; token overhead through the baseline's fitted curve.",
+    ]
+    if result["interim"]:
+        lines.append(f"Interim: arms not yet run: {', '.join(result['arms_missing'])}.")
+    head = "| {} | weights | loss difference, nats [95 %] | token overhead [95 %] | p |"
+    lines += ["", head.format("arm"), "|---|---|---|---|---|"]
+    lines += [_row(r, holm=False) for r in result["versus_baseline"]]
+    lines += ["", head.format("contrast") + " Holm p (* rejected) |", "|---|---|---|---|---|---|"]
+    lines += [_row(r, holm=True) for r in result["contrasts"]]
+    if result["not_estimable"]:
+        lines.append(f"\nNot estimable yet: {', '.join(result['not_estimable'])}.")
+    lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
+    lines += [f"| ({k}) {v['claim']} | {v['verdict']} | {v['why']} |" for k, v in result["verdicts"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _label(row: dict) -> str:
+    if row["name"] not in CONTRASTS:
+        return row["name"]
+    return f"{row['name']}: " + " - ".join(
+        a for a, _ in sorted(row["weights"].items(), key=lambda kv: -kv[1])
+    )
+
+
+def forest_plot(result: dict, path: str) -> None:
+    """Each contrast's token overhead with its 95 % interval (claim (c)'s band shaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = [r for r in result["versus_baseline"] + result["contrasts"] if r["tokens"]["overhead"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
+    ys = np.arange(len(rows))[::-1]
+    for y, r in zip(ys, rows, strict=True):
+        t = r["tokens"]
+        ax.errorbar(
+            t["overhead"], y, xerr=[[t["overhead"] - t["ci_low"]], [t["ci_high"] - t["overhead"]]], fmt="o"
+        )
+    ax.axvline(0, color="k", lw=0.8)
+    ax.axvspan(-TOKEN_BAND, TOKEN_BAND, color="0.9", zorder=0)
+    ax.set_yticks(ys, [_label(r) for r in rows], fontsize=8)
+    ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="arms against fp8, and the contrasts")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

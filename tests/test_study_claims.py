@@ -1,0 +1,109 @@
+"""The pre-registered analysis (fp4jax.study.claims) on synthetic runs with planted effects: every arm's
+eval curve is the baseline's power law stretched in tokens by a planted factor, plus a seed effect shared
+by all arms and small independent noise; the contrasts, token overheads and verdicts must recover what
+was planted."""
+
+import numpy as np
+import pytest
+
+from fp4jax.study import analysis, claims
+
+E, A, ALPHA = 3.0, 60.0, 0.3
+TOKENS = [1_000_000 * k for k in range(1, 21)]
+ARMS = ["fp8", "fprop", "fprop_dgrad", "full", "full_sr", "full_sr_prescale", "full_rht", "full_h16"]
+
+
+def _run(arm: str, seed: int, stretch: float, seed_shift: float, noise, status="not_reached"):
+    evals = tuple(
+        (i + 1, t, E + A * (t / stretch) ** -ALPHA + seed_shift + float(noise[i]))
+        for i, t in enumerate(TOKENS)
+    )
+    return analysis.StudyRun(
+        arm, None, seed, status, evals, None, TOKENS[-1], None, None, None, None, 1.0, ""
+    )
+
+
+def _runs(stretches: dict[str, float], seeds=(0, 1, 2), noise_sd=2e-4, rng_seed=0):
+    rng = np.random.default_rng(rng_seed)
+    shifts = {s: rng.normal(0, 0.02) for s in seeds}  # a seed's effect, much larger than the noise
+    return [
+        _run(arm, s, stretch, shifts[s], rng.normal(0, noise_sd, len(TOKENS)))
+        for arm, stretch in stretches.items()
+        for s in seeds
+    ]
+
+
+def _study(**overheads):
+    stretch = {arm: 1.0 + overheads.get(arm, 0.0) for arm in ARMS}  # L_arm(T) = L(T / (1 + overhead))
+    return claims.analyze(_runs(stretch), "fp8", ARMS, last_k=5)
+
+
+def _row(result, name):
+    return next(r for r in result["contrasts"] + result["versus_baseline"] if r["name"] == name)
+
+
+def test_planted_token_overheads_are_recovered_within_their_intervals():
+    planted = {"fprop": 0.03, "fprop_dgrad": 0.04, "full": 0.15, "full_sr": 0.15, "full_h16": 0.03}
+    result = _study(**planted)
+    for arm, overhead in planted.items():
+        tok = _row(result, f"{arm} - fp8")["tokens"]
+        assert tok["ci_low"] <= overhead <= tok["ci_high"], (arm, tok)
+        assert tok["overhead"] == pytest.approx(overhead, abs=0.01)
+    # The seed effect (sd 0.02 nats) is shared by every arm: the residual sd stays at the noise's level.
+    assert result["pooled_sd"] < 1e-3
+
+
+def test_wgrad_dominated_degradation_supports_claim_a_and_h16_at_fprop_level_supports_c():
+    result = _study(
+        fprop=0.03,
+        fprop_dgrad=0.04,
+        full=0.15,
+        full_sr=0.15,
+        full_sr_prescale=0.15,
+        full_rht=0.15,
+        full_h16=0.03,
+    )
+    verdicts = result["verdicts"]
+    assert verdicts["a"]["verdict"] == "supported"
+    assert verdicts["b"]["verdict"] == "supported"  # no stabiliser beats full
+    assert verdicts["c"]["verdict"] == "supported"
+    assert _row(result, "C1")["reject"]
+    # C3 relative to fprop: 1.04 / 1.03 - 1 tokens, through fp8's curve (approximately the same ratio).
+    assert _row(result, "C3")["tokens"]["overhead"] == pytest.approx(1.04 / 1.03 - 1, abs=0.003)
+
+
+def test_a_stabiliser_that_helps_refutes_b_and_an_h16_far_above_fprop_refutes_c():
+    result = _study(
+        fprop=0.03,
+        fprop_dgrad=0.04,
+        full=0.15,
+        full_sr=0.15,
+        full_sr_prescale=0.05,
+        full_rht=0.15,
+        full_h16=0.12,
+    )
+    assert result["verdicts"]["b"]["verdict"] == "refuted"
+    assert _row(result, "C6")["reject"] and _row(result, "C6")["estimate"] < 0
+    assert result["verdicts"]["c"]["verdict"] == "refuted"
+
+
+def test_missing_arms_make_an_interim_analysis_and_verdicts_that_say_what_they_need():
+    stretch = {"fp8": 1.0, "full": 1.1, "full_h16": 1.02}
+    result = claims.analyze(_runs(stretch), "fp8", ARMS, last_k=5)
+    assert result["interim"] and "fprop" in result["arms_missing"]
+    assert result["contrasts"] == [] and "C10" in result["not_estimable"]
+    assert result["verdicts"]["c"] == {
+        "claim": claims.CLAIMS["c"],
+        "verdict": "not yet run",
+        "why": "needs C10",
+    }
+    assert "Interim: arms not yet run" in claims.to_markdown(result)
+
+
+def test_a_diverged_run_is_excluded_and_listed():
+    runs = _runs({"fp8": 1.0, "full": 1.1})
+    broken = runs[-1]
+    runs[-1] = analysis.StudyRun(**{**broken.__dict__, "status": "diverged"})
+    result = claims.analyze(runs, "fp8", ["fp8", "full"], last_k=5)
+    assert result["excluded"] == [{"arm": "full", "seed": 2, "status": "diverged"}]
+    assert "full/seed2" not in result["cells"] and len(result["cells"]) == 5
