@@ -196,9 +196,9 @@ def check_gemms(
 
 def tiny_config(recipe: str, steps: int):
     """The tiny model on the bundled C4 sample, shortened to `steps` updates without evals or saves."""
-    from fp4jax.configs import ladder
+    from fp4jax.configs import rungs
 
-    c = ladder.rung("tiny_c4", recipe)
+    c = rungs.rung("tiny_c4", recipe)
     c.steps = steps
     c.optimizer.update(warmup_steps=max(1, steps // 4), lr_decay_steps=max(steps, 2))
     c.eval_every_sequences = 10**9
