@@ -42,6 +42,11 @@ from fp4jax.ops import (
     scaled_dot_compile_error,
 )
 
+__all__ = [
+    "gemm_operand_types",
+    "main",
+]
+
 # One Llama 3.1-8B MLP projection: tokens x d_model -> d_ff (8192 tokens = one 8192-long sequence).
 FULL_SHAPE = (8192, 4096, 14336)
 SMALL_SHAPE = (256, 256, 512)

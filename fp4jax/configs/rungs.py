@@ -30,6 +30,14 @@ import ml_collections
 from fp4jax.configs import base
 from fp4jax.ops.recipes import get_recipe
 
+__all__ = [
+    "PROXY_RECIPES",
+    "RUNGS",
+    "SETUPS",
+    "ladder",
+    "rung",
+]
+
 RUNGS: dict[str, str] = {
     "bf16": "bf16",
     "fp8": "fp8_mlperf",
