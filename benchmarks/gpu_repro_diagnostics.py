@@ -1,4 +1,4 @@
-"""Bisects the GPU compile failure of fp4jax.diagnostics.capture_operands in one short process.
+"""Bisects the GPU compile failure of fp4jax.gemm_errors.capture_operands in one short process.
 
 On one H200 (jax 0.11.2) jitting capture_operands on the tiny model failed while compiling with
 `IndexError: absl::container_internal::raw_hash_map<>::at` (a C++ map lookup of XLA's that found
@@ -33,7 +33,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from fp4jax import diagnostics as diag  # noqa: E402
+from fp4jax import gemm_errors as diag  # noqa: E402
 from fp4jax.models.llama import Llama, llama_config  # noqa: E402
 
 TINY = dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=64, n_layers=2)

@@ -11,8 +11,8 @@ calibrated on a BF16 run); runs go the full budget so every rung has a whole cur
 is reported at the first evaluation at or below it.
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("125m_pg", "bf16")
+    return rungs.rung("125m_pg", "bf16")

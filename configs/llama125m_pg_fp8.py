@@ -7,8 +7,8 @@ the MLPerf reference (setup: llama125m_pg_bf16.py).
 32 x 1024 = 32,768 tokens/step, 2,000 steps = 65.5M tokens; eval every 200 steps.
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("125m_pg", "fp8_mlperf")
+    return rungs.rung("125m_pg", "fp8_mlperf")

@@ -6,8 +6,8 @@
 32 x 1024 = 32,768 tokens/step, 2,000 steps = 65.5M tokens; eval every 200 steps.
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("125m_pg", "mxfp4_full_rht")
+    return rungs.rung("125m_pg", "mxfp4_full_rht")

@@ -8,8 +8,8 @@ One H200 (or one MI355X). Token arithmetic: global batch 16 x 2048 = 32,768 toke
 `python benchmarks/bench_train.py --config configs/llama1b_pg_bf16.py` (docs/performance.md).
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("1b_pg", "bf16")
+    return rungs.rung("1b_pg", "bf16")

@@ -5,8 +5,8 @@ reference (setup and token arithmetic: llama1b_pg_bf16.py).
         --workdir runs/llama1b_pg_fp8 --config.data.path=data/pg_en
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("1b_pg", "fp8_mlperf")
+    return rungs.rung("1b_pg", "fp8_mlperf")

@@ -4,8 +4,8 @@
         --workdir runs/llama1b_pg_h16 --config.data.path=data/pg_en
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("1b_pg", "mxfp4_full_h16")
+    return rungs.rung("1b_pg", "mxfp4_full_h16")

@@ -12,8 +12,8 @@ The BF16 reference needs ~179.4k sequences ~ 1.47B tokens ~ 5.6k steps (15 evalu
 12,000 steps = 3.15B tokens.
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("8b_c4", "mxfp4_fprop")
+    return rungs.rung("8b_c4", "mxfp4_fprop")

@@ -8,8 +8,8 @@ first 32 validation sequences every 800 training sequences (100 updates). Short 
 GPT-2 vocabulary (50,304 logits per token) dominates the cost of so small a model.
 """
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 
 
 def get_config():
-    return ladder.rung("tiny_c4", "mxfp4_full_h16")
+    return rungs.rung("tiny_c4", "mxfp4_full_h16")

@@ -11,7 +11,7 @@ alone (no optimizer state).
 Batches: the first batches x batch windows of the validation stream of the config's data ("config"), of
 the bundled C4 sample ("bundled", the config's tokenizer), or uniform random tokens ("synthetic").
 For each batch, one bf16 forward/backward captures every linear layer's x, W and dy
-(fp4jax.diagnostics); then, recipe by recipe and layer by layer, each GEMM is quantized as the recipe
+(fp4jax.gemm_errors); then, recipe by recipe and layer by layer, each GEMM is quantized as the recipe
 says and compared with the float32 GEMM of the same operands; only scalars are kept.
 
 Prints one table (relative error of y, dx and dW by layer kind, the mean over layers and batches) and
@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 from absl import flags
 from ml_collections import config_flags
 
-from fp4jax import diagnostics as diag
+from fp4jax import gemm_errors as diag
 from fp4jax import logs
 from fp4jax.data import DataError, default_data_config, load_tokenizer, make_eval_batches
 from fp4jax.models import llama

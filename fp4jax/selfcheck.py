@@ -42,6 +42,11 @@ from fp4jax.ops import (
     scaled_dot_compile_error,
 )
 
+__all__ = [
+    "gemm_operand_types",
+    "main",
+]
+
 # One Llama 3.1-8B MLP projection: tokens x d_model -> d_ff (8192 tokens = one 8192-long sequence).
 FULL_SHAPE = (8192, 4096, 14336)
 SMALL_SHAPE = (256, 256, 512)
@@ -196,9 +201,9 @@ def check_gemms(
 
 def tiny_config(recipe: str, steps: int):
     """The tiny model on the bundled C4 sample, shortened to `steps` updates without evals or saves."""
-    from fp4jax.configs import ladder
+    from fp4jax.configs import rungs
 
-    c = ladder.rung("tiny_c4", recipe)
+    c = rungs.rung("tiny_c4", recipe)
     c.steps = steps
     c.optimizer.update(warmup_steps=max(1, steps // 4), lr_decay_steps=max(steps, 2))
     c.eval_every_sequences = 10**9

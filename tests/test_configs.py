@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import fp4jax
-from fp4jax.configs import base, ladder
+from fp4jax.configs import base, rungs
 from fp4jax.models.llama import Llama
 from fp4jax.ops import PRESETS
 from fp4jax.training.setup import build_model
@@ -110,18 +110,18 @@ def test_config_loads_and_its_model_eval_shapes(path):
 @pytest.mark.parametrize("prefix", sorted(LADDER_FILES))
 def test_rung_files_differ_from_the_baseline_only_in_recipe(prefix):
     setup = LADDER_FILES[prefix]
-    baseline = ladder.rung(setup, "bf16").to_dict()
+    baseline = rungs.rung(setup, "bf16").to_dict()
     found = {}
     for path in glob.glob(os.path.join(ROOT, "configs", prefix + "*.py")):
         cfg = _load(path).to_dict()
         found[os.path.basename(path)[len(prefix) : -3]] = cfg.pop("recipe")
         assert cfg == {k: v for k, v in baseline.items() if k != "recipe"}, path
-    assert found == ladder.RUNGS  # every rung has its file, and each file its rung's preset
+    assert found == rungs.RUNGS  # every rung has its file, and each file its rung's preset
 
 
 def test_the_8b_ladder_is_the_mlperf_setup():
-    for recipe in ladder.RUNGS.values():
-        cfg = ladder.rung("8b_c4", recipe)
+    for recipe in rungs.RUNGS.values():
+        cfg = rungs.rung("8b_c4", recipe)
         assert (cfg.model.size, cfg.global_batch, cfg.seq_len) == ("8b", 32, 8192)
         assert cfg.eval_every_sequences // cfg.global_batch == 384
         assert cfg.target_eval_loss == 3.3
@@ -132,11 +132,11 @@ def test_the_8b_ladder_is_the_mlperf_setup():
     assert _load(os.path.join(ROOT, "configs", "llama8b_c4_h16.py")).recipe == "mxfp4_full_h16"
 
 
-@pytest.mark.parametrize("setup", [s for s in ladder.SETUPS if "proxy" in s])
+@pytest.mark.parametrize("setup", [s for s in rungs.SETUPS if "proxy" in s])
 def test_proxy_setups_follow_the_study_rules(setup):
     """Constant LR after warmup, at most one epoch (pg_en: 33.3M GPT-2 training tokens), an evaluation at
     least every 2 % of the run, and a relative data path (set data.path on the command line)."""
-    cfg = ladder.rung(setup, "mxfp4_full")
+    cfg = rungs.rung(setup, "mxfp4_full")
     assert cfg.optimizer.schedule == "constant" and 0 < cfg.optimizer.warmup_steps < cfg.steps
     tokens = cfg.steps * cfg.global_batch * cfg.seq_len
     if setup.endswith("_pg"):
@@ -144,17 +144,17 @@ def test_proxy_setups_follow_the_study_rules(setup):
     assert cfg.eval_every_sequences <= 0.02 * cfg.steps * cfg.global_batch
     assert cfg.eval_at_end and not os.path.isabs(cfg.data.path)
     assert (cfg.fp8_scaling, cfg.data.separator) == ("delayed", "none")
-    assert {c.model.size for c in ladder.ladder(setup, ladder.PROXY_RECIPES).values()} == {setup[:4]}
+    assert {c.model.size for c in rungs.ladder(setup, rungs.PROXY_RECIPES).values()} == {setup[:4]}
 
 
 def test_ladder_builder_takes_the_recipe_list_and_checks_names():
-    configs = ladder.ladder("125m_proxy_pg", ["fp8_mlperf", "mxfp4_full_h16"])
+    configs = rungs.ladder("125m_proxy_pg", ["fp8_mlperf", "mxfp4_full_h16"])
     assert [c.recipe for c in configs.values()] == ["fp8_mlperf", "mxfp4_full_h16"]
-    assert set(ladder.PROXY_RECIPES) <= set(PRESETS)
+    assert set(rungs.PROXY_RECIPES) <= set(PRESETS)
     with pytest.raises(ValueError, match="unknown recipe 'mxfp3'"):
-        ladder.rung("125m_proxy_pg", "mxfp3")
+        rungs.rung("125m_proxy_pg", "mxfp3")
     with pytest.raises(ValueError, match="unknown ladder set-up"):
-        ladder.rung("70b_c4", "bf16")
+        rungs.rung("70b_c4", "bf16")
 
 
 def test_base_has_the_shared_keys_with_their_defaults():

@@ -1,4 +1,4 @@
-"""fp4jax.diagnostics: each statistic against an independent computation, and the study's orderings.
+"""fp4jax.gemm_errors: each statistic against an independent computation, and the study's orderings.
 
 The GEMM-level tests build operands directly; the model-level ones use a tiny Llama whose seven linear
 layers all have one shape (d_model = d_ff = n_heads * head_dim = 64), so every statistic compiles once.
@@ -16,7 +16,7 @@ import mx_reference as ref
 import numpy as np
 import pytest
 
-from fp4jax import diagnostics as diag
+from fp4jax import gemm_errors as diag
 from fp4jax.models.llama import Llama, llama_config
 from fp4jax.ops import GemmSpec, get_recipe, mx_dot_general
 from fp4jax.ops.quantized_dot import quantize_operand

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh
 from tiny_runs import bytes_tokenizer
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 from fp4jax.models.sharding import (
     MESH_AXES,
     data_parallel_size,
@@ -44,7 +44,7 @@ needs_meshes = pytest.mark.skipif(
 
 
 def _config(recipe: str, **top):
-    c = ladder.rung("tiny_c4", recipe)
+    c = rungs.rung("tiny_c4", recipe)
     c.model.update(dtype="float32", remat="none")
     c.update(seq_len=32, global_batch=8, progress_bar=False, tensorboard=False, **top)
     # A small LR: Adam's first update is ~lr * sign(g), which turns reduction-order noise in near-zero

@@ -276,7 +276,7 @@ def test_diagnostics_probe_and_profiler_switch(tmp_path, token_cache, monkeypatc
         return lambda params, batch, key: {"diag/rows": jnp.float32(batch["inputs"].shape[0])}
 
     monkeypatch.setitem(
-        sys.modules, "fp4jax.diagnostics", types.SimpleNamespace(make_training_probe=make_training_probe)
+        sys.modules, "fp4jax.gemm_errors", types.SimpleNamespace(make_training_probe=make_training_probe)
     )
     overrides = {"diagnostics.every": 2, "profile.start_step": 3, "profile.num_steps": 2}
     train(tiny_config(token_cache, **overrides), str(tmp_path))

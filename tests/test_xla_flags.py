@@ -1,8 +1,8 @@
-"""fp4jax.xla_flags: the one reader of XLA_FLAGS, and the modules that ask it (diagnostics' capture)."""
+"""fp4jax.xla_flags: the one reader of XLA_FLAGS, and the modules that ask it (gemm_errors' capture)."""
 
 import pytest
 
-from fp4jax import diagnostics, xla_flags
+from fp4jax import gemm_errors, xla_flags
 
 FLAG = "--xla_gpu_deterministic_ops"
 
@@ -53,7 +53,7 @@ def test_no_xla_flags_at_all(monkeypatch):
 )
 def test_capture_takes_xla_attention_under_deterministic_ops(monkeypatch, xla_flags_env, option, expected):
     monkeypatch.setenv("XLA_FLAGS", xla_flags_env)
-    assert diagnostics._capture_attention(option) == expected
+    assert gemm_errors._capture_attention(option) == expected
 
 
 def test_the_trainer_reports_an_unreadable_flag_as_a_config_error(monkeypatch):

@@ -27,7 +27,7 @@ import jax
 import pytest
 import tiktoken
 
-from fp4jax.configs import ladder
+from fp4jax.configs import rungs
 from fp4jax.data.tokenizers import GPT2_PAT, Tokenizer
 from fp4jax.training import setup, trainer
 from fp4jax.training.metrics import read_metrics
@@ -83,7 +83,7 @@ def _settings(token_cache, overrides: dict) -> dict:
 
 def tiny_config(token_cache, **overrides):
     """The tiny config with TINY_OVERRIDES, then `overrides` (dotted keys: **{"data.path": p})."""
-    c = ladder.rung("tiny_c4", "mxfp4_full_h16")
+    c = rungs.rung("tiny_c4", "mxfp4_full_h16")
     for key, value in _settings(token_cache, overrides).items():
         *parents, leaf = key.split(".")
         node = c

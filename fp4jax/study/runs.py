@@ -21,6 +21,7 @@ import re
 from fp4jax.training.divergence import LAST_FINITE
 from fp4jax.training.errors import DIVERGED_EXIT_CODE as DIVERGED_EXIT
 from fp4jax.training.metrics import median_tokens_per_s, read_metrics
+from fp4jax.training.summary import summary_path  # where the trainer writes it: one rule for both
 
 __all__ = [
     "DIVERGED_EXIT",
@@ -45,10 +46,6 @@ __all__ = [
 
 FINAL_STATUSES = ("reached", "not_reached", "diverged", "failed")
 OLD_STATUSES = {"target_reached": "reached", "budget_exhausted": "not_reached"}
-
-
-def summary_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "summary.json")
 
 
 def read_json(path: str) -> dict | None:

@@ -29,6 +29,16 @@ from fp4jax.data import DataError
 from fp4jax.training import integrity
 from fp4jax.training.errors import CheckpointError, DiskFullError
 
+__all__ = [
+    "Restored",
+    "abstract_like",
+    "finish",
+    "make_manager",
+    "open_init_checkpoint",
+    "restore_newest_good",
+    "save",
+]
+
 log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")

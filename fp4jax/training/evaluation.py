@@ -14,22 +14,16 @@ import numpy as np
 
 from fp4jax.data import EVAL_SELECTIONS, make_eval_batches
 from fp4jax.training.errors import ConfigError
-from fp4jax.training.setup import device_batch
+from fp4jax.training.setup import device_batch, evaluating
 
 __all__ = [
     "check_eval_config",
-    "crossed",
     "eval_due",
     "evaluate",
-    "evaluating",
     "final_eval_record",
     "load_eval_set",
     "load_final_eval_set",
 ]
-
-
-def evaluating(config) -> bool:
-    return config.eval_every_sequences > 0 or config.eval_at_end
 
 
 def check_eval_config(config) -> None:

@@ -17,7 +17,7 @@ def make_probe(config, model):
     """
     if config.diagnostics.every <= 0:
         return None
-    from fp4jax.diagnostics import make_training_probe  # only runs that ask for it import it
+    from fp4jax.gemm_errors import make_training_probe  # only runs that ask for it import it
 
     probe = make_training_probe(model, model.recipe)  # the Recipe it trains with (fp8_scaling applied)
     accum = config.grad_accum

@@ -34,6 +34,31 @@ from fp4jax.training.optimizer import make_optimizer, mlperf_lr
 from fp4jax.training.state import eval_step, make_init_fn, train_step
 from fp4jax.training.summary import say
 
+__all__ = [
+    "GEMM_BACKEND_ENV",
+    "QUANTIZER_ENV",
+    "XLA_OPTIONS",
+    "apply_xla_options",
+    "build_model",
+    "build_model_and_optimizer",
+    "check_init_checkpoint",
+    "deterministic_ops",
+    "device_batch",
+    "evaluating",
+    "execution_overrides",
+    "init_key",
+    "init_train_state",
+    "initialize_distributed",
+    "jit_steps",
+    "make_run_mesh",
+    "model_config",
+    "prepare_workdir",
+    "quant_key",
+    "resolve_config",
+    "resolve_run_execution",
+    "total_steps",
+]
+
 INIT_KEY_SALT, QUANT_KEY_SALT = 0, 1
 # The environment variables a user sets to override a recipe's GEMM back end and quantizer (the library
 # reads none: they are mapped onto Recipe.backend / Recipe.quantizer here, and by the self-check).
@@ -182,12 +207,17 @@ def check_batch(config, mesh):
             f"not divisible by the {shards} data-parallel shards (mesh data x fsdp); set "
             f"--config.global_batch to a multiple of {shards * config.grad_accum} or change --config.mesh"
         )
-    evaluating = config.eval_every_sequences > 0 or config.eval_at_end
-    if evaluating and (config.eval_batch_size % shards or config.eval_sequences % config.eval_batch_size):
+    uneven = config.eval_batch_size % shards or config.eval_sequences % config.eval_batch_size
+    if evaluating(config) and uneven:
         raise ConfigError(
             f"eval_batch_size {config.eval_batch_size} must be a multiple of the {shards} data-parallel "
             f"shards and divide eval_sequences {config.eval_sequences}; adjust --config.eval_batch_size"
         )
+
+
+def evaluating(config) -> bool:
+    """Whether the run evaluates at all (periodically or at its end); the evaluation module asks too."""
+    return config.eval_every_sequences > 0 or config.eval_at_end
 
 
 def check_init_checkpoint(config):

@@ -37,6 +37,7 @@ FINISHED = ("reached", "not_reached")
 
 
 def summary_path(workdir: str) -> str:
+    """<workdir>/summary.json, the one place a run's summary lives (the study reads it there too)."""
     return os.path.join(workdir, "summary.json")
 
 

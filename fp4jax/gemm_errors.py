@@ -66,6 +66,28 @@ from fp4jax.ops import (
     to_bfc,
 )
 
+__all__ = [
+    "GEMMS",
+    "GEMM_INDEX",
+    "LAYER_KINDS",
+    "OPERAND_NAMES",
+    "OUTPUT_NAMES",
+    "LayerOperands",
+    "capture_operands",
+    "gemm_operands",
+    "gemm_stats",
+    "high_precision_layers",
+    "layer_key",
+    "layer_recipes",
+    "layer_stats",
+    "make_training_probe",
+    "operand_stats",
+    "per_block_params",
+    "quantized_output",
+    "reference_output",
+    "summarize",
+]
+
 GEMMS = ("fprop", "dgrad", "wgrad")
 GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}  # mx_dot_general folds its key with this per GEMM
 OPERAND_NAMES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}

@@ -1,8 +1,8 @@
 """The study's ladders: one set-up per scale, and a rung = that set-up with one recipe.
 
-    from fp4jax.configs import ladder
-    c = ladder.rung("8b_c4", "mxfp4_full_h16")          # what configs/llama8b_c4_h16.py returns
-    cs = ladder.ladder("125m_proxy_pg", PROXY_RECIPES)   # {recipe: config}, for a sweep driver
+    from fp4jax.configs import rungs
+    c = rungs.rung("8b_c4", "mxfp4_full_h16")           # what configs/llama8b_c4_h16.py returns
+    cs = rungs.ladder("125m_proxy_pg", PROXY_RECIPES)   # {recipe: config}, for a sweep driver
 
 A rung differs from its set-up's baseline only in `recipe` (the FP8 stages of every rung use the
 set-up's `fp8_scaling`, the baseline's), so the ladder compares recipes and nothing else. Set-ups:
@@ -29,6 +29,14 @@ import ml_collections
 
 from fp4jax.configs import base
 from fp4jax.ops.recipes import get_recipe
+
+__all__ = [
+    "PROXY_RECIPES",
+    "RUNGS",
+    "SETUPS",
+    "ladder",
+    "rung",
+]
 
 RUNGS: dict[str, str] = {
     "bf16": "bf16",
