@@ -220,8 +220,13 @@ def quantize_mx(
     scale_mode: str = "floor",
     rounding: str = "nearest_even",
     uniforms: np.ndarray | None = None,
+    prescale: float = 1.0,
 ) -> RefMX:
-    """Reference MX quantizer. `rounding="stochastic"` needs `uniforms` (x's shape, in [0, 1))."""
+    """Reference MX quantizer. `rounding="stochastic"` needs `uniforms` (x's shape, in [0, 1)).
+
+    `prescale` (the contract's QuantSpec.prescale): the block's exponent comes from x itself; then each
+    scaled value x / 2^e, exact in float32, is multiplied by the float32 prescale, one float32 rounding,
+    and that product is what the element rounding sees. The result represents prescale * x."""
     x32 = np.asarray(x).astype(np.float32)
     axis = axis % x32.ndim
     assert x32.shape[axis] % block_size == 0
@@ -230,6 +235,8 @@ def quantize_mx(
     amax = np.max(np.abs(np.where(np.isfinite(xb), xb, 0.0)), axis=-1)
     exp = np.where(nan, 0, scale_exponents(amax, elem, scale_mode))
     y = np.ldexp(np.where(nan[..., None], 0.0, xb), -exp[..., None])  # exact
+    if prescale != 1:
+        y = (y.astype(np.float32) * np.float32(prescale)).astype(np.float64)
     if rounding == "stochastic":
         lo, hi, p_hi = sr_neighbours(y, elem)
         u = _blocks(np.asarray(uniforms, np.float64), axis, block_size)

@@ -2,6 +2,7 @@
 summary, or waits for SIGTERM and writes a "preempted" one): a second call runs nothing, a run the budget
 stops is resumed by the next call, the gate's arithmetic, and one-line errors for bad plans."""
 
+import dataclasses
 import json
 import math
 import os
@@ -150,3 +151,119 @@ def test_arm_runs_only_the_named_arms_and_an_unknown_arm_is_one_line(tiny_plan, 
     assert not plan.gate_result(root, tiny_plan.stage("gate"))["complete"]  # arm a is still to run
     with pytest.raises(ValueError, match=r"--arm c: not an arm of these stages; use a, b"):
         plan.run_plan(tiny_plan, root, budget_minutes=5, arms=["c"], log=lambda line: None)
+
+
+# ------------------------------------------------------------------------------------- shared runs
+
+# A second stage after the gate: arm a is the gate's arm a (same config, recipe, horizon, LR, overrides,
+# seeds), arm c is new; a third stage repeats arm a under another GEMM back end (a different run).
+SHARED_STAGES = """
+[[stages]]
+name = "again"
+design = "scratch_paired"
+config = "configs/tiny_c4_h16.py"
+baseline = "a"
+seeds = [0, 1]
+steps = 4
+warmup_steps = 1
+peak_lr = 1e-3
+backend = "auto"
+run_minutes = 0.01
+requires = ["gate"]
+[stages.arms]
+a = "fp8"
+c = "mxfp4_full_h16"
+
+[[stages]]
+name = "emulated"
+design = "scratch_paired"
+config = "configs/tiny_c4_h16.py"
+baseline = "a"
+seeds = [0]
+steps = 4
+warmup_steps = 1
+peak_lr = 1e-3
+backend = "emulate"
+run_minutes = 0.01
+[stages.arms]
+a = "fp8"
+"""
+# FINISHER, plus the files a real run leaves: its metrics and a checkpoint (which a reuse leaves behind).
+FINISHER_WITH_FILES = (
+    FINISHER
+    + """
+os.makedirs(os.path.join(workdir, "checkpoints", "4"), exist_ok=True)
+with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": 4, "argv": sys.argv[sys.argv.index("--workdir") + 2 :]}) + "\\n")
+"""
+)
+
+
+def test_an_identical_run_of_an_earlier_stage_is_reused_not_rerun(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "shared.toml"
+    path.write_text(TINY_PLAN + SHARED_STAGES)
+    p = plan.load_plan(str(path))
+    _fake(monkeypatch, FINISHER_WITH_FILES)
+    root = str(tmp_path / "runs")
+    lines = []
+    plan.run_plan(p, root, budget_minutes=5, log=lines.append)
+    started = sorted(line.split("start ")[1] for line in lines if " start " in f" {line}")
+    assert started == sorted(
+        ["gate/a/seed0", "gate/b/seed0", "gate/a/seed1", "gate/b/seed1"]
+        + ["again/c/seed0", "again/c/seed1", "emulated/a/seed0"]
+    ), lines
+    reused = [line for line in lines if "the same run as" in line]
+    assert reused == [
+        "study: again/a/seed0: the same run as gate/a/seed0, filled from it, not rerun",
+        "study: again/a/seed1: the same run as gate/a/seed1, filled from it, not rerun",
+    ]
+    for seed in (0, 1):
+        source, copy = (os.path.join(root, stage, "a", f"seed{seed}") for stage in ("gate", "again"))
+        for name in ("metrics.jsonl", "summary.json", "train.log"):
+            assert open(os.path.join(copy, name)).read() == open(os.path.join(source, name)).read(), name
+        assert not os.path.exists(os.path.join(copy, "checkpoints"))
+        record = runs.read_json(os.path.join(copy, "ladder_run.json"))
+        assert record["reused_from"] == f"gate/a/seed{seed}" and record["attempts"] == 0
+    assert plan.stage_complete(root, p.stage("again"))
+    assert "a" not in plan.measured_minutes(root, p.stage("again"))  # no wall time of its own
+    # Resumed, nothing starts and nothing is copied again.
+    lines = []
+    assert plan.run_plan(p, root, budget_minutes=5, log=lines.append) == {}
+    assert not any(" start " in f" {line}" or "the same run as" in line for line in lines), lines
+
+
+def test_run_identity_is_the_command_without_workdir_under_one_back_end(tiny_plan):
+    gate = tiny_plan.stage("gate")
+    spec = plan.stage_specs(gate)[0]
+    sets = ["--config.data.path=d"]
+    identity = plan.run_identity(spec, gate, sets)
+    assert "--workdir" not in identity and "--config.data.path=d" in identity
+    assert identity[0] == f"{plan.BACKEND_ENV}=auto"
+    elsewhere = dataclasses.replace(gate, name="elsewhere")  # another stage's directory, the same run
+    assert plan.run_identity(spec, elsewhere, sets) == identity
+    assert plan.run_identity(spec, dataclasses.replace(gate, backend="emulate"), sets) != identity
+    assert plan.run_identity(spec, gate, ["--config.data.path=e"]) != identity
+
+
+def test_the_committed_plan_shares_runs_between_its_stages():
+    """The ladder's fp8 and full arms and the literature stage's fp8 arm are the calibration stage's runs;
+    the literature stage pairs tseng and nvidia with them on the same seeds, horizon, LR and back end."""
+    p = plan.load_plan(PLAN)
+    calibration, ladder, literature = (p.stage(n) for n in ("calibration", "ladder", "literature"))
+    assert literature.arms == {"fp8": "fp8_mlperf", "tseng": "mxfp4_tseng", "nvidia": "mxfp4_nvidia"}
+    assert literature.requires == ("calibration",) and literature.baseline == "fp8"
+    same = ("config", "seeds", "steps", "warmup_steps", "peak_lr", "backend", "overrides")
+    assert all(getattr(literature, k) == getattr(ladder, k) == getattr(calibration, k) for k in same)
+    identities = {}
+    for stage in (calibration, ladder, literature):
+        for spec in plan.stage_specs(stage):
+            identities.setdefault(plan.run_identity(spec, stage, []), []).append(f"{stage.name}/{spec.label}")
+    shared = sorted(labels for labels in identities.values() if len(labels) > 1)
+    want = [
+        [f"calibration/{arm}/seed{k}", f"ladder/{arm}/seed{k}"]
+        + ([f"literature/fp8/seed{k}"] if arm == "fp8" else [])
+        for arm in ("fp8", "full")
+        for k in (0, 1, 2)
+    ]
+    assert shared == sorted(want)

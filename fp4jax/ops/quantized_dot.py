@@ -297,8 +297,9 @@ def multiply_gemm_operands(qa, qc, gemm: GemmSpec, *, backend: str, precision=No
     """The product of one GEMM's quantized operands (quantize_gemm_operands) as mx_dot_general forms it.
 
     The back end's float32 product (`backend` resolved), at `_dot_precision`, the operands' prescales
-    undone on it. Float32, or already `out_dtype` (what the caller rounds it to) where the back end can
-    give the same values directly (backends.matmul).
+    undone on it: times float32(1 / (lhs.prescale * rhs.prescale)), one float32 rounding. Float32, or
+    already `out_dtype` (what the caller rounds it to) where the back end can give the same values
+    directly (backends.matmul).
     """
     prescale = gemm.lhs.prescale * gemm.rhs.prescale  # QuantSpec.prescale: undone on the float32 product
     out = backends.matmul(
@@ -308,7 +309,9 @@ def multiply_gemm_operands(qa, qc, gemm: GemmSpec, *, backend: str, precision=No
         precision=_dot_precision(gemm, precision),
         out_dtype=out_dtype if prescale == 1 else jnp.float32,
     )
-    return out if prescale == 1 else out / prescale
+    # Undone as a multiply by the float32 reciprocal: what XLA compiles a division by a constant into
+    # anyway, written out so that the bits are the contract's rather than the compiler's choice.
+    return out if prescale == 1 else out * jnp.float32(1 / prescale)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,10 +33,12 @@ __all__ = [
     "MXFP4_SR",
     "MXFP4_SR_PRESCALE",
     "MXFP8",
+    "NVIDIA_RHT_SEED",
     "PRESETS",
     "QUANTIZERS",
     "QUANT_KINDS",
     "RHT16",
+    "RHT16_PER_RUN",
     "ROTATION_KINDS",
     "SIGN_POLICIES",
     "GemmSpec",
@@ -234,6 +236,10 @@ MXFP8 = QuantSpec(kind="mx", elem="e4m3", block_size=32, scale_mode="ceil", roun
 H16 = RotationSpec(kind="deterministic", size=16)
 H32 = RotationSpec(kind="deterministic", size=32)
 RHT16 = RotationSpec(kind="random", size=16, signs="per_call")
+# NVIDIA's NVFP4 recipe rotates with one random sign vector fixed for the whole run (Transformer Engine
+# hard-codes one); here the vector is random_signs(jax.random.key(NVIDIA_RHT_SEED), 16).
+NVIDIA_RHT_SEED = 0
+RHT16_PER_RUN = RotationSpec(kind="random", size=16, signs="per_run", seed=NVIDIA_RHT_SEED)
 
 
 def _mxfp4_gemm(rotation: RotationSpec = RotationSpec(), spec: QuantSpec = MXFP4) -> GemmSpec:
@@ -256,6 +262,22 @@ _FULL = dict(fprop=_mxfp4_gemm(), dgrad=_mxfp4_gemm(), wgrad=_mxfp4_gemm())
 
 def _rotated(rotation: RotationSpec) -> dict[str, GemmSpec]:
     return {stage: _mxfp4_gemm(rotation) for stage in ("fprop", "dgrad", "wgrad")}
+
+
+# The literature's recipes in MXFP4 (docs/numerics.md, "Recipes of the literature"). Tseng et al. 2025
+# (arXiv 2502.20586): both backward GEMMs stochastic with the 3/4 pre-scale, each behind a random
+# Hadamard drawn per call. NVIDIA's NVFP4 recipe (arXiv 2509.25149) on MXFP4 elements and scales: only the
+# output gradient dy rounds stochastically, and only Wgrad is rotated, by one fixed random-sign H16.
+_TSENG = dict(
+    fprop=_mxfp4_gemm(),
+    dgrad=_mxfp4_gemm(RHT16, MXFP4_SR_PRESCALE),
+    wgrad=_mxfp4_gemm(RHT16, MXFP4_SR_PRESCALE),
+)
+_NVIDIA = dict(
+    fprop=_mxfp4_gemm(),
+    dgrad=GemmSpec(MXFP4_SR, MXFP4),  # (dy, W)
+    wgrad=GemmSpec(MXFP4, MXFP4_SR, RHT16_PER_RUN),  # (x, dy)
+)
 
 
 PRESETS: dict[str, Recipe] = {
@@ -287,6 +309,8 @@ PRESETS: dict[str, Recipe] = {
     "mxfp4_full_h16": _recipe("mxfp4_full_h16", **_rotated(H16)),
     "mxfp4_full_h32": _recipe("mxfp4_full_h32", **_rotated(H32)),
     "mxfp4_full_h16_wgrad_only": _recipe("mxfp4_full_h16_wgrad_only", **{**_FULL, "wgrad": _mxfp4_gemm(H16)}),
+    "mxfp4_tseng": _recipe("mxfp4_tseng", **_TSENG),
+    "mxfp4_nvidia": _recipe("mxfp4_nvidia", **_NVIDIA),
     "mxfp8": Recipe(
         fprop=_mxfp4_gemm(spec=MXFP8),
         dgrad=_mxfp4_gemm(spec=MXFP8),

@@ -23,7 +23,11 @@ Invariants of `run`:
   running run gets SIGTERM (it saves a checkpoint and exits; the next call resumes it) and is killed
   KILL_AFTER_S later if it has not exited;
 - a run stopped by the budget before it could save is left without a summary (resumable), never
-  recorded as failed.
+  recorded as failed;
+- a run not yet started whose spec is identical to a finished run of an earlier stage (`run_identity`:
+  the same trainer command apart from --workdir, under the same GEMM back end) is not rerun: its
+  directory is filled from the earlier one (REUSED_FILES, no checkpoints) and its ladder_run.json says
+  "reused_from": "<stage>/<arm>/seed<k>" (`reuse_earlier_run`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import statistics
 import time
 import tomllib
@@ -43,6 +48,8 @@ __all__ = [
     "Stage",
     "gate_result",
     "load_plan",
+    "reuse_earlier_run",
+    "run_identity",
     "run_plan",
     "stage_specs",
 ]
@@ -257,9 +264,14 @@ def measured_minutes(root: str, stage: Stage) -> dict[str, float]:
     for spec in stage_specs(stage):
         directory = spec.directory(stage_root(root, stage))
         record = runs.read_json(os.path.join(directory, "ladder_run.json"))
-        if record and runs.status_of(runs.read_json(runs.summary_path(directory))) in (
-            "reached",
-            "not_reached",
+        if (
+            record
+            and "reused_from" not in record
+            and runs.status_of(runs.read_json(runs.summary_path(directory)))
+            in (
+                "reached",
+                "not_reached",
+            )
         ):
             total = sum(h.get("wall_time_s") or 0.0 for h in record.get("history", []))
             walls.setdefault(spec.rung.name, []).append(total / 60)
@@ -310,7 +322,7 @@ def run_plan(
         for spec in specs:
             if runs.is_finished(spec.directory(sroot)):
                 log(f"study: {stage.name}/{spec.label}: finished before, not rerun")
-            else:
+            elif not reuse_earlier_run(plan, root, stage, spec, list(overrides), log):
                 todo.append(_Todo(spec, stage, sroot))
         if not todo:
             continue
@@ -399,6 +411,60 @@ def _finish(job: runner.Job, code: int, info: dict, *, budget_stopped: bool) -> 
         runner.record_attempt(job, code, time.monotonic() - job.started, {"status": "stopped_by_budget"})
         return None
     return runner.finish(job, code, info)
+
+
+# ---------------------------------------------------------------------------- runs shared by stages
+
+REUSED_FILES = ("metrics.jsonl", "train.log")  # copied first; then ladder_run.json, then summary.json
+REUSABLE_STATUSES = ("reached", "not_reached", "diverged")  # a run's own outcome; "failed" is not one
+
+
+def run_identity(spec: runner.RunSpec, stage: Stage, overrides: list[str]) -> tuple[str, ...]:
+    """What makes a run the run it is: the trainer command without --workdir, and the back end it runs
+    under (passed in its environment, `_env`). Runs of equal identity train the same model on the same
+    data the same way, so one of them stands for all."""
+    argv = list(spec.argv("", overrides))
+    at = argv.index("--workdir")
+    return (f"{BACKEND_ENV}={stage.backend}", *argv[:at], *argv[at + 2 :])
+
+
+def _earlier_identical_run(plan: Plan, root: str, stage: Stage, spec, overrides) -> tuple[str, str] | None:
+    """(label "<stage>/<arm>/seed<k>", directory) of the first finished run of an earlier stage with
+    `spec`'s identity and an outcome of its own (REUSABLE_STATUSES), else None."""
+    identity = run_identity(spec, stage, overrides)
+    for other in plan.stages[: plan.stages.index(stage)]:
+        for candidate in stage_specs(other):
+            directory = candidate.directory(stage_root(root, other))
+            summary = runs.read_json(runs.summary_path(directory))
+            if runs.status_of(summary) in REUSABLE_STATUSES:
+                if run_identity(candidate, other, overrides) == identity:
+                    return f"{other.name}/{candidate.label}", directory
+    return None
+
+
+def reuse_earlier_run(plan: Plan, root: str, stage: Stage, spec, overrides: list[str], log) -> bool:
+    """Fills `spec`'s directory from an identical finished run of an earlier stage and returns True;
+    False (nothing done) when there is none or the run has already started in its own stage (it then
+    resumes there). The summary is written last, so an interrupted copy is simply redone."""
+    directory = spec.directory(stage_root(root, stage))
+    if os.path.exists(runs.summary_path(directory)) or steps_done(directory):
+        return False
+    found = _earlier_identical_run(plan, root, stage, spec, overrides)
+    if found is None:
+        return False
+    label, source = found
+    origin = (runs.read_json(os.path.join(source, "ladder_run.json")) or {}).get("reused_from", label)
+    os.makedirs(directory, exist_ok=True)
+    for name in REUSED_FILES:
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+    record = {"rung": spec.rung.name, "seed": spec.seed, "lr": spec.lr, "config": spec.rung.config}
+    record.update(attempts=0, history=[], reused_from=origin)
+    runs.write_json(os.path.join(directory, "ladder_run.json"), record)
+    shutil.copyfile(runs.summary_path(source), runs.summary_path(directory) + ".tmp")
+    os.replace(runs.summary_path(directory) + ".tmp", runs.summary_path(directory))
+    log(f"study: {stage.name}/{spec.label}: the same run as {origin}, filled from it, not rerun")
+    return True
 
 
 # ------------------------------------------------------------------------------------------- the gate
