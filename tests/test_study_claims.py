@@ -107,3 +107,18 @@ def test_a_diverged_run_is_excluded_and_listed():
     result = claims.analyze(runs, "fp8", ["fp8", "full"], last_k=5)
     assert result["excluded"] == [{"arm": "full", "seed": 2, "status": "diverged"}]
     assert "full/seed2" not in result["cells"] and len(result["cells"]) == 5
+
+
+def test_the_literature_contrasts_are_reported_outside_the_holm_family():
+    arms = [*ARMS, "tseng", "nvidia"]
+    stretch = {arm: 1.0 + (0.15 if arm.startswith("full") else 0.03) for arm in arms}
+    stretch["fp8"] = 1.0
+    with_lit = claims.analyze(_runs(stretch), "fp8", arms, last_k=5)
+    without = claims.analyze(_runs({a: s for a, s in stretch.items() if a in ARMS}), "fp8", ARMS, last_k=5)
+    assert [r["name"] for r in with_lit["reported"]] == list(claims.REPORTED)
+    assert "p_holm" not in with_lit["reported"][0]
+    # The literature's arms do not change the family's correction.
+    holm = {r["name"]: r["p_holm"] for r in with_lit["contrasts"]}
+    assert [r["name"] for r in with_lit["contrasts"]] == [r["name"] for r in without["contrasts"]]
+    assert len(holm) == 7 and "C8" not in holm  # C1-C3, C5-C7, C10 (C4 needs h16_wgrad_only)
+    assert with_lit["reported"][0]["tokens"]["overhead"] == pytest.approx(1.03 / 1.15 - 1, abs=0.01)

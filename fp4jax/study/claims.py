@@ -7,8 +7,10 @@ Invariants:
   every run (stats.final_eval_losses raises otherwise); only runs that ended (not unfinished, not failed,
   not diverged) enter the table, and the others are listed with their outcome;
 - a block is a seed: every arm with seed k shares its initialisation and data order;
-- the Holm family is the pre-registered contrasts that are estimable from the runs present; while some
-  arms are missing the analysis is marked interim and every verdict that needs a missing arm says so;
+- the Holm family is the pre-registered family (C1-C7, C10) as far as the runs present make it
+  estimable; the literature's contrasts (C8, C9 and their companions) are reported outside it, with
+  their own intervals and no verdict; while some arms are missing the analysis is marked interim and
+  every verdict that needs a missing arm says so;
 - token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
   runs' tokens (stats.iso_loss_overhead).
 """
@@ -25,6 +27,7 @@ __all__ = [
     "CLAIMS",
     "CONTRASTS",
     "DEFAULT_LAST_K",
+    "REPORTED",
     "TOKEN_BAND",
     "analyze",
     "claim_verdicts",
@@ -42,9 +45,14 @@ CONTRASTS: dict[str, dict[str, float]] = {
     "C5": {"full_sr": 1, "full": -1},
     "C6": {"full_sr_prescale": 1, "full": -1},
     "C7": {"full_rht": 1, "full": -1},
+    "C10": {"full_h16": 1, "fprop": -1},
+}
+# The literature's recipes (docs/study_plan.md's amendment): reported, outside the Holm family, no verdict.
+REPORTED: dict[str, dict[str, float]] = {
     "C8": {"tseng": 1, "full": -1},
     "C9": {"nvidia": 1, "full": -1},
-    "C10": {"full_h16": 1, "fprop": -1},
+    "tseng - full_sr_prescale": {"tseng": 1, "full_sr_prescale": -1},
+    "nvidia - full_rht": {"nvidia": 1, "full_rht": -1},
 }
 # Claim (a)'s ordering C1 > C2 + C3, as one contrast: C1 - C2 - C3 = full - 2 fprop_dgrad + fp8.
 ORDERING = {"full": 1, "fprop_dgrad": -2, "fp8": 1}
@@ -94,6 +102,9 @@ def analyze(runs, baseline: str, arms, last_k: int) -> dict:
     curve = _baseline_curve(runs, baseline)
     estimable = {n: w for n, w in CONTRASTS.items() if set(w) <= set(present)}
     family = stats.contrast_family(fit, estimable) if estimable and fit.df > 0 else []
+    reported = [
+        stats.contrast(fit, w, n) for n, w in REPORTED.items() if set(w) <= set(present) and fit.df > 0
+    ]
     versus = [
         stats.contrast(fit, {arm: 1, baseline: -1}, f"{arm} - {baseline}")
         for arm in present
@@ -121,8 +132,10 @@ def analyze(runs, baseline: str, arms, last_k: int) -> dict:
         },
         "versus_baseline": [_with_tokens(r, curve, tokens) for r in versus],
         "contrasts": [_with_tokens(r, curve, tokens) for r in family],
+        "reported": [_with_tokens(r, curve, tokens) for r in reported],
         "ordering": None if ordering is None else _with_tokens(ordering, curve, tokens),
         "not_estimable": sorted(set(CONTRASTS) - set(estimable), key=lambda n: int(n[1:])),
+        "reported_not_estimable": [n for n, w in REPORTED.items() if not set(w) <= set(present)],
     }
     result["verdicts"] = claim_verdicts(result)
     return result
@@ -217,13 +230,17 @@ def to_markdown(result: dict) -> str:
     lines += [_row(r, holm=True) for r in result["contrasts"]]
     if result["not_estimable"]:
         lines.append(f"\nNot estimable yet: {', '.join(result['not_estimable'])}.")
+    if result["reported"]:
+        lines += ["", "The literature's recipes, outside the Holm family (no verdict):", ""]
+        lines += [head.format("contrast"), "|---|---|---|---|---|"]
+        lines += [_row(r, holm=False) for r in result["reported"]]
     lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
     lines += [f"| ({k}) {v['claim']} | {v['verdict']} | {v['why']} |" for k, v in result["verdicts"].items()]
     return "\n".join(lines) + "\n"
 
 
 def _label(row: dict) -> str:
-    if row["name"] not in CONTRASTS:
+    if row["name"] not in {**CONTRASTS, **REPORTED} or " " in row["name"]:
         return row["name"]
     return f"{row['name']}: " + " - ".join(
         a for a, _ in sorted(row["weights"].items(), key=lambda kv: -kv[1])
@@ -238,7 +255,8 @@ def forest_plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    rows = [r for r in result["versus_baseline"] + result["contrasts"] if r["tokens"]["overhead"] is not None]
+    every = result["versus_baseline"] + result["contrasts"] + result["reported"]
+    rows = [r for r in every if r["tokens"]["overhead"] is not None]
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
     ys = np.arange(len(rows))[::-1]
     for y, r in zip(ys, rows, strict=True):
