@@ -148,6 +148,16 @@ def test_a_bias_under_noise_lies_between(tiny_model):
     assert abs(result["fprop"]["gradient"][ins.ALL]["coherence"] ** 2 - (K + 1) / 2) <= 0.1
 
 
+def test_an_error_that_follows_the_gradient_has_the_gradients_coherence(tiny_model):
+    """e_k = c g(b_k): ||sum e_k|| / sqrt(sum ||e_k||^2) is the gradients' own ratio, whatever c (to
+    float32 rounding)."""
+    _, params, batches, grad = tiny_model
+    scaled = lambda stage, p, b: jax.tree.map(lambda g: 1.25 * g, grad(p, b)) if stage else grad(p, b)  # noqa: E731
+    result = ins.measure(scaled, identity_update, params, None, batches, ["wgrad"])
+    for metrics in result["wgrad"]["gradient"].values():
+        np.testing.assert_allclose(metrics["coherence"], metrics["grad_coherence"], rtol=1e-4)
+
+
 def test_noise_ratio_against_a_numpy_reference(tiny_model):
     """With a planted error of known norm, noise_ratio = ||b|| / sqrt(mean over pairs ||g(A) - g(B)||^2),
     the pairs' gradients taken here, apart from the instruments, and compared in float64."""
@@ -266,6 +276,22 @@ def test_command_on_the_tiny_run(good_run, tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["instruments.json", "instruments.txt"] + [f"instruments_{s}.png" for s in ins.STAGES]
     )
+
+
+def test_checkpoint_state_is_the_runs_own(good_run):
+    """load_state reads the trainer's TrainState: its params are the ones fp4jax.diagnose reads alone
+    (another restore path), bit for bit, and AdamW's count is the step."""
+    from fp4jax import diagnose
+    from fp4jax.training import setup
+
+    config = ins.run_config(str(good_run), 4)
+    model_cfg = setup.model_config(config, 384)
+    tx, _ = make_optimizer(config.optimizer)
+    params, opt_state = ins.load_state(str(good_run), 4, config, model_cfg, tx)
+    alone = diagnose.restore_params(str(good_run / "checkpoints" / "4"))
+    jax.tree.map(np.testing.assert_array_equal, params, alone)
+    counts = [int(x) for x in jax.tree.leaves(opt_state) if np.ndim(x) == 0]
+    assert counts and set(counts) == {4}
 
 
 def test_command_names_the_steps_a_run_has(good_run, tmp_path, capsys):

@@ -14,6 +14,8 @@ g(b) the bf16 gradient of the mean next-token loss, g_q(b) the stage's, and e_k 
                 across batches, sqrt(K) for one fixed error (a bias: it does not average out over updates).
                 For e_k = b + n_k with n_k independent, zero-mean, E||n_k||^2 = s^2:
                 coherence^2 ~ (K ||b||^2 + s^2) / (||b||^2 + s^2).
+  grad_coherence  the same of the bf16 gradients g(b_k): an error that follows the gradient (e ~ c g)
+                has the gradient's coherence, so this is the reference an error's coherence is read against.
   update        u = AdamW's update (the run's own optax chain, clipping included) from the checkpoint's
                 optimizer state: u_q from g_q(b_k), u from g(b_k). Pooled over the K batches:
                 rel_err = sqrt(sum ||u_q - u||^2 / sum ||u||^2), cos = sum <u_q, u> / sqrt(sum ||u_q||^2
@@ -54,7 +56,9 @@ from fp4jax.training.state import make_init_fn, token_losses
 __all__ = [
     "ALL",
     "DATA_MODES",
+    "PANELS",
     "STAGES",
+    "coherence",
     "gradient_metrics",
     "leaf_groups",
     "load_state",
@@ -155,20 +159,27 @@ def _div(num: float, den: float) -> float:
     return float(num) / float(den) if float(den) > 0 else math.nan
 
 
-def gradient_metrics(err_sq: dict, err_sum_sq: dict, noise_sq: dict, grad_sq: dict, k: int) -> dict:
-    """{group: {noise_ratio, coherence, err_norm, noise_norm, grad_norm}} from per-group sums over K
-    batches (K/2 pairs): err_sq = sum_k ||e_k||^2, err_sum_sq = ||sum_k e_k||^2, noise_sq = sum over
-    pairs of ||g(A) - g(B)||^2, grad_sq = sum_k ||g(b_k)||^2 (module doc). Norms are root mean squares
-    over batches (pairs for noise_norm)."""
+def coherence(sum_sq, sq_sum) -> float:
+    """||sum_k x_k|| / sqrt(sum_k ||x_k||^2) from sum_sq = ||sum_k x_k||^2 and sq_sum = sum_k ||x_k||^2."""
+    return math.sqrt(_div(sum_sq, sq_sum))
+
+
+def gradient_metrics(sums: dict, k: int) -> dict:
+    """{group: {noise_ratio, coherence, err_norm, noise_norm, grad_norm, grad_coherence}} from per-group
+    sums over K batches (K/2 pairs), each {group: scalar}: err_sq = sum_k ||e_k||^2, err_sum_sq =
+    ||sum_k e_k||^2, noise_sq = sum over pairs of ||g(A) - g(B)||^2, grad_sq = sum_k ||g(b_k)||^2,
+    grad_sum_sq = ||sum_k g(b_k)||^2 (module doc). Norms are root mean squares over batches (pairs for
+    noise_norm)."""
     out = {}
-    for group in err_sq:
-        err_ms, noise_ms = float(err_sq[group]) / k, float(noise_sq[group]) / (k // 2)
+    for group, err_sq in sums["err_sq"].items():
+        err_ms, noise_ms = float(err_sq) / k, float(sums["noise_sq"][group]) / (k // 2)
         out[group] = {
             "noise_ratio": math.sqrt(_div(err_ms, noise_ms)),
-            "coherence": math.sqrt(_div(err_sum_sq[group], err_sq[group])),
+            "coherence": coherence(sums["err_sum_sq"][group], err_sq),
             "err_norm": math.sqrt(err_ms),
             "noise_norm": math.sqrt(noise_ms),
-            "grad_norm": math.sqrt(float(grad_sq[group]) / k),
+            "grad_norm": math.sqrt(float(sums["grad_sq"][group]) / k),
+            "grad_coherence": coherence(sums["grad_sum_sq"][group], sums["grad_sq"][group]),
         }
     return out
 
@@ -211,13 +222,12 @@ def measure(grad_fn: Callable, update: Callable, params, opt_state, batches: Seq
     k = len(batches)
     if k < 2 or k % 2:
         raise ValueError(f"the instruments need an even number >= 2 of batches, got {k}: set --batches")
-    noise_sq = grad_sq = None
+    noise_sq = grad_sq = grad_sum = previous = None
     err_sq, err_sum, upd = ({s: None for s in stages} for _ in range(3))
-    previous = None
     for i, batch in enumerate(batches):
         g_ref = grad_fn(None, params, batch)
         u_ref = update(g_ref, opt_state, params)
-        grad_sq = _add(grad_sq, sq_norms(g_ref))
+        grad_sq, grad_sum = _add(grad_sq, sq_norms(g_ref)), _add(grad_sum, g_ref)
         if i % 2:
             noise_sq = _add(noise_sq, sq_norms(jax.tree.map(jnp.subtract, previous, g_ref)))
         previous = g_ref
@@ -226,16 +236,15 @@ def measure(grad_fn: Callable, update: Callable, params, opt_state, batches: Seq
             err, e_sq, sums = _batch_terms(g_q, g_ref, update(g_q, opt_state, params), u_ref)
             err_sq[stage], err_sum[stage] = _add(err_sq[stage], e_sq), _add(err_sum[stage], err)
             upd[stage] = _add(upd[stage], sums)
-    host = jax.device_get
-    return {
-        stage: {
-            "gradient": gradient_metrics(
-                host(err_sq[stage]), host(sq_norms(err_sum[stage])), host(noise_sq), host(grad_sq), k
-            ),
-            "update": update_metrics(host(upd[stage])),
+    shared = jax.device_get({"noise_sq": noise_sq, "grad_sq": grad_sq, "grad_sum_sq": sq_norms(grad_sum)})
+    out = {}
+    for stage in stages:
+        sums = {**shared, **jax.device_get({"err_sq": err_sq[stage], "err_sum_sq": sq_norms(err_sum[stage])})}
+        out[stage] = {
+            "gradient": gradient_metrics(sums, k),
+            "update": update_metrics(jax.device_get(upd[stage])),
         }
-        for stage in stages
-    }
+    return out
 
 
 def loss_grad_fn(model_cfg, recipe: Recipe) -> Callable:
@@ -435,6 +444,10 @@ def plot(result: dict, stage: str, path: str) -> None:
             style = {"color": "k", "lw": 2.5} if group == ALL else {"lw": 1.0}
             ax.plot(steps, [np.nan if v is None else v for v in values], marker="o", label=group, **style)
         if quantity == "coherence":
+            reference = _series(result, stage, part, "grad_coherence")[ALL]
+            ax.plot(
+                steps, [np.nan if v is None else v for v in reference], "k--", lw=1, label="bf16 grad (all)"
+            )
             for level, name in ((1.0, "noise"), (result["coherence_bias"], "bias")):
                 ax.axhline(level, color="k", ls=":", lw=1)
                 ax.annotate(name, (steps[0], level), fontsize=8, va="bottom")
