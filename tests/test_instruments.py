@@ -294,7 +294,10 @@ def test_checkpoint_state_is_the_runs_own(good_run):
     assert counts and set(counts) == {4}
 
 
-def test_command_names_the_steps_a_run_has(good_run, tmp_path, capsys):
+def test_command_names_the_steps_a_run_has_and_the_stages(good_run, tmp_path, capsys):
     argv = ["instruments", "--run", str(good_run), "--out", str(tmp_path), "--steps", "5"]
     assert main(argv) == 2
     assert "has no checkpoint of step 5: it has 2, 4, 6" in capsys.readouterr().err
+    argv = ["instruments", "--run", str(good_run), "--out", str(tmp_path), "--stages", "wgrad,wgrad"]
+    assert main(argv) == 2
+    assert "give distinct ones of fprop, dgrad, wgrad" in capsys.readouterr().err

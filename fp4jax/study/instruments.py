@@ -337,6 +337,8 @@ def run_instruments(
     minibatch noise of one update), seq_len default: the run's.
     """
     steps = sorted(steps or step_dirs(run_dir))
+    if not stages or len(set(stages)) < len(stages):
+        raise ValueError(f"--stages {','.join(stages)!r}: give distinct ones of {', '.join(STAGES)}")
     for stage in stages:
         stage_recipe(stage)
     if data not in DATA_MODES:
