@@ -1,15 +1,19 @@
-"""python -m fp4jax.study run|report: the study's plan file, run within a GPU-time budget per call, and
-its report regenerated from whatever runs exist (fp4jax.study.plan).
+"""python -m fp4jax.study run|report|instruments: the study's plan file, run within a GPU-time budget per
+call, its report regenerated from whatever runs exist (fp4jax.study.plan), and the mechanism instruments
+on a run's checkpoints (fp4jax.study.instruments).
 
     python -m fp4jax.study run --plan fp4jax/study/plans/proxy125m.toml --root runs/study \
         --budget-minutes 9 [--parallel 2 --gpus 0,0] [--stage calibration] [--set data.path=DIR ...]
     python -m fp4jax.study report --plan fp4jax/study/plans/proxy125m.toml --root runs/study --out DIR
+    python -m fp4jax.study instruments --run RUN_DIR [--steps 250,500,1000] --out DIR \
+        [--stages fprop,dgrad,wgrad] [--batches 4] [--batch B] [--seq-len T] [--data config|bundled|synthetic]
 
 `run` never reruns a finished run; a run the budget stops saves a checkpoint and the next call resumes
 it. Exit code 0 when the call ends (whatever the runs' outcomes), 2 for bad input, 130 when interrupted.
 `report` writes DIR/<stage>.md/.json/.png (fp4jax.study.report), DIR/<stage>_gate.json for a gated
 stage, and DIR/claims.md/.json/.png: the pre-registered contrasts and the verdict per claim
-(fp4jax.study.claims).
+(fp4jax.study.claims). `instruments` writes DIR/instruments.json, instruments.txt and
+instruments_<stage>.png (docs/diagnostics.md, Mechanism instruments).
 """
 
 from __future__ import annotations
@@ -96,6 +100,31 @@ def write_claims(the_plan, root: str, out: str | None) -> None:
         print(f"wrote {base}.md, .json and .png")
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of steps") from None
+
+
+def cmd_instruments(args) -> None:
+    from fp4jax.study import instruments  # jax and the model: only this command needs them
+
+    result = instruments.run_instruments(
+        args.run,
+        steps=args.steps,
+        stages=[s for s in args.stages.split(",") if s],
+        n_batches=args.batches,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        data=args.data,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(instruments.table(result))
+    for path in instruments.write(result, args.out):
+        print(f"wrote {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fp4jax.study", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     rep_p = sub.add_parser("report", help="tables, plots and the gate from the runs", allow_abbrev=False)
     rep_p.add_argument("--out", default=None, help="directory for <stage>.md/.json/.png and gates")
     rep_p.add_argument("--target", default="config", help="config, auto[+MARGIN], or a loss in nats")
+    ins_p = sub.add_parser(
+        "instruments", help="gradient and update errors of one MXFP4 stage at a time", allow_abbrev=False
+    )
+    ins_p.add_argument("--run", required=True, help="a run directory (it holds checkpoints/)")
+    ins_p.add_argument("--steps", type=_int_list, default=None, help="checkpoint steps (default: all)")
+    ins_p.add_argument("--out", required=True, help="directory for instruments.json/.txt/_<stage>.png")
+    ins_p.add_argument("--stages", default="fprop,dgrad,wgrad", help="GEMM stages, one in MXFP4 at a time")
+    ins_p.add_argument("--batches", type=int, default=4, help="K disjoint batches (even)")
+    ins_p.add_argument("--batch", type=int, default=None, help="sequences per batch (default: global_batch)")
+    ins_p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
+    ins_p.add_argument("--data", default="config", help="config, bundled or synthetic (as fp4jax.diagnose)")
     for p in (run_p, rep_p):
         p.add_argument("--plan", required=True, help="a plan file (fp4jax/study/plans/*.toml)")
         p.add_argument("--root", required=True, help="the runs' root directory")
@@ -117,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(lambda: cmd_run(args) if args.command == "run" else cmd_report(args), "study")
+    commands = {"run": cmd_run, "report": cmd_report, "instruments": cmd_instruments}
+    return run_command(lambda: commands[args.command](args), "study")
 
 
 if __name__ == "__main__":
