@@ -44,8 +44,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fp4jax import diagnose
-from fp4jax import gemm_errors
+from fp4jax import diagnose, gemm_errors
 from fp4jax.models.llama import Llama, padded_vocab_size
 from fp4jax.ops import GemmSpec, Recipe, resolve_execution
 from fp4jax.ops.recipes import MXFP4, resolve_recipe
