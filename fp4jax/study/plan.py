@@ -35,7 +35,7 @@ import statistics
 import time
 import tomllib
 
-from fp4jax.study import runner, runs
+from fp4jax.study import branching, runner, runs
 
 __all__ = [
     "DESIGNS",
@@ -47,7 +47,7 @@ __all__ = [
     "stage_specs",
 ]
 
-DESIGNS = ("scratch_paired",)
+DESIGNS = ("scratch_paired", "branch")  # branch: fp4jax.study.branching
 STAGE_KEYS = {
     "name",
     "design",
@@ -63,8 +63,8 @@ STAGE_KEYS = {
     "overrides",
     "requires",
     "gate",
-}
-REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"}
+} | branching.KEYS
+REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"} - branching.KEYS
 GATE_KEYS = {"arm", "against", "last_evals", "smallest_overhead", "sigmas"}
 BACKENDS = ("auto", "emulate", "fp8", "native")
 STOP_MARGIN_S = 60  # stop runs this long before the budget ends: they save a checkpoint and exit
@@ -93,6 +93,9 @@ class Stage:
     overrides: dict[str, object] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     gate: dict | None = None
+    trunk_arm: str | None = None  # the branch design's keys (fp4jax.study.branching)
+    branch_steps: tuple[int, ...] = ()
+    branch_length: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +134,10 @@ def load_plan(path: str) -> Plan:
 
 
 def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
-    unknown, missing = set(raw) - STAGE_KEYS, REQUIRED_KEYS - set(raw)
+    branch = raw.get("design") == "branch"
+    required = REQUIRED_KEYS - {"steps"} | branching.KEYS if branch else REQUIRED_KEYS
+    known = STAGE_KEYS if branch else STAGE_KEYS - branching.KEYS
+    unknown, missing = set(raw) - known, required - set(raw)
     if unknown or missing:
         what = f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}"
         raise ValueError(f"{where}: {what}; a stage has {', '.join(sorted(STAGE_KEYS))}")
@@ -139,6 +145,7 @@ def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
         raise ValueError(f"{where}: a stage name is a unique identifier")
     if raw["design"] not in DESIGNS:
         raise ValueError(f"{where}: design {raw['design']!r} is not one of {', '.join(DESIGNS)}")
+    raw = branching.normalize(raw, where) if branch else raw
     if raw["backend"] not in BACKENDS:
         raise ValueError(f"{where}: backend {raw['backend']!r} is not one of {', '.join(BACKENDS)}")
     arms = raw["arms"]
@@ -170,6 +177,8 @@ def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
         overrides=dict(raw.get("overrides", {})),
         requires=tuple(raw.get("requires", [])),
         gate=None if gate is None else dict(gate),
+        **({"trunk_arm": raw["trunk_arm"], "branch_steps": tuple(raw["branch_steps"])} if branch else {}),
+        **({"branch_length": int(raw["branch_length"])} if branch else {}),
     )
 
 
@@ -190,6 +199,8 @@ def stage_specs(stage: Stage) -> list[runner.RunSpec]:
         _override("optimizer.peak_lr", repr(stage.peak_lr)),
         *(_override(k, v) for k, v in stage.overrides.items()),
     ]
+    if stage.design == "branch":
+        return branching.stage_specs(stage, common)
     rungs = [
         runner.Rung(arm, stage.config, (*common, _override("recipe", recipe)))
         for arm, recipe in stage.arms.items()
@@ -237,9 +248,10 @@ def _env(stage: Stage, log) -> dict[str, str]:
 def expected_minutes(spec: runner.RunSpec, directory: str, stage: Stage, measured: dict[str, float]) -> float:
     """What is left of a run, in minutes: the arm's measured wall time per run (else the plan's
     run_minutes) times the fraction of steps left, plus a resume's overhead when it already has steps."""
-    full = measured.get(spec.rung.name, stage.run_minutes)
-    done = steps_done(directory)
-    left = max(0.0, 1.0 - done / stage.steps)
+    first, last = branching.span(spec, stage)  # a branch starts at its trunk step
+    full = measured.get(spec.rung.name, branching.default_minutes(stage, first, last))
+    done = max(0, steps_done(directory) - first)
+    left = max(0.0, 1.0 - done / (last - first))
     return full * left + (RESUME_OVERHEAD_MINUTES if done else 0.0)
 
 
@@ -304,22 +316,31 @@ def run_plan(
             log(f"study: stage {stage.name} waits: {reason}")
             continue
         sroot = stage_root(root, stage)
-        specs = [spec for spec in stage_specs(stage) if not arms or spec.rung.name in arms]
-        infos = runner.config_infos(specs, list(overrides))
-        todo = []
-        for spec in specs:
-            if runs.is_finished(spec.directory(sroot)):
-                log(f"study: {stage.name}/{spec.label}: finished before, not rerun")
-            else:
-                todo.append(_Todo(spec, stage, sroot))
-        if not todo:
-            continue
-        done.update(_run_stage(todo, infos, slots, kind, deadline, list(overrides), log, clock))
+        for specs in _phases(stage, sroot, arms, log):
+            infos = runner.config_infos(specs, list(overrides))
+            todo = []
+            for spec in specs:
+                if runs.is_finished(spec.directory(sroot)):
+                    log(f"study: {stage.name}/{spec.label}: finished before, not rerun")
+                else:
+                    todo.append(_Todo(spec, stage, sroot))
+            if todo:
+                done.update(_run_stage(todo, infos, slots, kind, deadline, list(overrides), log, clock))
+            if clock() >= deadline - STOP_MARGIN_S:
+                break
         if clock() >= deadline - STOP_MARGIN_S:
             break
     left = max(0.0, (deadline - clock()) / 60)
     log(f"study: this call is done, {left:.1f} of {budget_minutes:g} budget minutes left")
     return done
+
+
+def _phases(stage: Stage, sroot: str, arms, log):
+    """The stage's runs in the order they may run: one phase (scratch), or the trunks then the branches
+    whose trunk checkpoint exists (branch design, chosen after the trunks ran)."""
+    if stage.design == "branch":
+        return branching.phases(stage_specs(stage), sroot, arms, log)
+    return [[spec for spec in stage_specs(stage) if not arms or spec.rung.name in arms]]
 
 
 def _run_stage(todo, infos, slots, kind, deadline, overrides, log, clock) -> dict[str, dict]:

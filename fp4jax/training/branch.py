@@ -35,8 +35,9 @@ from fp4jax.training.summary import say
 __all__ = ["check_config", "source_step_dir", "start_branch"]
 
 
-def check_config(config) -> None:
-    """The branch keys make sense together: ConfigError of one line otherwise."""
+def check_config(config, workdir: str) -> None:
+    """The branch keys make sense together, and the source step exists unless the workdir has checkpoints
+    of its own (then the source is never read): ConfigError of one line otherwise."""
     if not config.init_from:
         return
     if config.init_checkpoint:
@@ -51,7 +52,8 @@ def check_config(config) -> None:
             f"steps {config.steps} must exceed init_from_step {config.init_from_step}: steps counts the "
             "trunk's updates too; set --config.steps to init_from_step + the branch's updates"
         )
-    source_step_dir(config.init_from, config.init_from_step)
+    if not integrity.step_dirs(checkpoint.checkpoints_dir(workdir)):
+        source_step_dir(config.init_from, config.init_from_step)
 
 
 def source_step_dir(init_from: str, step: int) -> str:

@@ -73,7 +73,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     workdir = setup.prepare_workdir(workdir)
     mesh = setup.make_run_mesh(config)
     setup.check_init_checkpoint(config)
-    branch.check_config(config)
+    branch.check_config(config, workdir)
     with sharding_context(mesh), distributed.lost_process_reported():
         run = build_run(config, workdir, mesh, last_step)
         return run_loop(run)
