@@ -172,3 +172,15 @@ def test_a_branch_expects_its_own_updates_only(branch_plan, tmp_path):
     (resumed / "checkpoints" / "5").mkdir(parents=True)
     left = plan.expected_minutes(specs["b/at4/seed0"], str(resumed), stage, {})
     assert left == pytest.approx(0.01 * 2 / 3 + plan.RESUME_OVERHEAD_MINUTES)
+
+
+def test_the_example_plan_loads_and_its_trunk_keeps_the_branch_points(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    stage = plan.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "branch125m.toml")).stages[0]
+    specs = plan.stage_specs(stage)
+    assert (stage.steps, stage.branch_steps, len(specs)) == (600, (250, 600), 3 + 5 * 2 * 3)
+    trunk = runner.load_config(stage.config, specs[0].config_args([]))
+    assert trunk.keep_checkpoint_steps == (250, 600) and trunk.recipe == "fp8_mlperf" and trunk.steps == 600
+    late = next(s for s in specs if s.label == "full_h16/at600/seed2")
+    branch = runner.load_config(stage.config, late.config_args([]))
+    assert (branch.steps, branch.recipe, branch.seed) == (850, "mxfp4_full_h16", 2)

@@ -6,13 +6,15 @@
 
 The plan file: top-level `name`, then `[[stages]]` in the order they run, each with `name`, `design`
 ("scratch_paired": every arm from scratch with the same seeds, so init and data order are shared by all
-arms), `config` (a set-up's config file), `arms` ({arm name: recipe preset}, in report order), `baseline`
+arms; "branch": every arm branched from shared trunks, with keys of its own: fp4jax.study.branching),
+`config` (a set-up's config file), `arms` ({arm name: recipe preset}, in report order), `baseline`
 (an arm), `seeds`, `steps`, `warmup_steps`, `peak_lr`, `backend` (a GEMM back end or "auto"),
 `run_minutes` (one run's expected wall time, used until runs of the stage measured it), optional
 `overrides` ({dotted config key: value}), `requires` (stages that must be complete and, if gated, passed)
 and `gate` (the pass rule, see `gate_result`).
 
-Run layout: ROOT/<stage>/<arm>/seed<k>/ (fp4jax.study.runs), so each stage is a ladder root of its own.
+Run layout: ROOT/<stage>/<arm>/seed<k>/ (fp4jax.study.runs), so each stage is a ladder root of its own;
+a branch stage's is ROOT/<stage>/trunk/seed<k>/ and ROOT/<stage>/<arm>/at<step>/seed<k>/.
 
 Invariants of `run`:
 - a run with a final summary is never started again (runner); an unfinished one resumes from its

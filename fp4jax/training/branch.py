@@ -18,7 +18,8 @@ starts empty; meta["branched_from"] records the source and step).
 
 The workdir's own checkpoints win: a branch that has saved one resumes from its newest good one and never
 reads init_from again. Bad input (no such directory or step, a checkpoint that does not verify, a model
-whose params differ in shape) is a one-line ConfigError / CheckpointError before anything is compiled.
+whose params differ in shape) is a one-line ConfigError / CheckpointError before the train step is
+compiled (the missing ones before anything is built).
 """
 
 import os
