@@ -29,7 +29,7 @@ from tiny_runs import (
 
 from fp4jax.models.sharding import sharding_context
 from fp4jax.training import branch, setup, trainer
-from fp4jax.training.errors import ConfigError
+from fp4jax.training.errors import CheckpointError, ConfigError
 
 FIXTURES = (compilation_cache,)
 
@@ -118,6 +118,22 @@ def test_bad_branch_input_is_one_line(tmp_path, token_cache, good_run, overrides
     if config.init_checkpoint:
         config.init_checkpoint = str(good_run)
     with pytest.raises(ConfigError, match=message) as info:
+        trainer.train(config, str(tmp_path / "branch"))
+    assert "\n" not in str(info.value)
+
+
+def test_a_trunk_checkpoint_that_does_not_verify_is_one_line(tmp_path, token_cache, good_run):
+    trunk = tmp_path / "trunk"
+    shutil.copytree(good_run / "checkpoints" / "2", trunk / "checkpoints" / "2")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(trunk / "checkpoints" / "2" / "state") for f in fs]
+    biggest = max(files, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        head = f.read(64)
+        f.seek(0)
+        f.write(bytes(255 - b for b in head))  # same size, other bytes: only the manifest can tell
+    config = tiny_config(token_cache, init_from=str(trunk), init_from_step=2)
+    message = r"init_from checkpoint .*/2 is bad: .*branch from another step"
+    with pytest.raises(CheckpointError, match=message) as info:
         trainer.train(config, str(tmp_path / "branch"))
     assert "\n" not in str(info.value)
 

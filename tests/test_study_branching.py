@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from fp4jax.study import __main__ as study_cli
 from fp4jax.study import branching, plan, runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,6 +122,11 @@ def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(b
     assert baseline["mean_difference"] == 0 and baseline["contrast"] is None
     text = branching.to_markdown(result)
     assert "Branched at step 4:" in text and "| b | +0.0115 |" in text
+
+    out = tmp_path / "report"
+    assert study_cli.main(["report", "--plan", branch_plan.path, "--root", root, "--out", str(out)]) == 0
+    assert (out / "branches.md").read_text() == text
+    assert json.loads((out / "branches.json").read_text())["points"][1]["at"] == 4
 
 
 def test_branches_wait_for_their_trunks_checkpoint(branch_plan, tmp_path):

@@ -22,18 +22,22 @@ whose params differ in shape) is a one-line ConfigError / CheckpointError before
 compiled (the missing ones before anything is built).
 """
 
+import logging
 import os
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fp4jax.training import checkpoint, integrity
 from fp4jax.training.errors import CheckpointError, ConfigError
 from fp4jax.training.summary import say
 
-__all__ = ["check_config", "source_step_dir", "start_branch"]
+__all__ = ["check_config", "merge_fp8_meta", "source_step_dir", "start_branch"]
+
+log = logging.getLogger(__name__)
 
 
 def check_config(config, workdir: str) -> None:
@@ -78,8 +82,7 @@ def start_branch(config, abstract_state, train_iter) -> checkpoint.Restored:
     """The branch's starting state (see the module docstring) with the data iterator set to the source's
     position; meta holds only branched_from."""
     step_dir = source_step_dir(config.init_from, config.init_from_step)
-    if integrity.has_manifest(step_dir) and (problem := integrity.verify(step_dir)) is not None:
-        raise CheckpointError(f"init_from checkpoint {step_dir} is bad: {problem}; branch from another step")
+    _verify(step_dir)
     saved = _saved_tree(step_dir)
     _check_params(saved["params"], abstract_state.params, step_dir)
     replicated = NamedSharding(_mesh_of(abstract_state), PartitionSpec())
@@ -100,6 +103,8 @@ def start_branch(config, abstract_state, train_iter) -> checkpoint.Restored:
             f"init_from checkpoint {step_dir} does not fit this run's optimizer ({reason}); branch with the "
             "source's optimizer config"
         ) from exc
+    finally:
+        manager.close()
     train_iter.set_state(data_state)
     _note_optimizer(config, meta, step_dir)
     fp8_meta, carried = merge_fp8_meta(state.fp8_meta, abstract_state.fp8_meta)
@@ -126,9 +131,31 @@ def merge_fp8_meta(source: dict, abstract: dict) -> tuple[dict, int]:
     return jax.tree_util.tree_map_with_path(leaf, abstract), carried
 
 
+def _verify(step_dir: str) -> None:
+    """CheckpointError unless the step's manifest verifies (process 0 reads it, every process gets its
+    answer); a step without a manifest is restored unverified, with a warning (as on resume)."""
+    problem = None
+    if jax.process_index() == 0:
+        if not integrity.has_manifest(step_dir):
+            log.warning(f"init_from checkpoint {step_dir} has no manifest: restoring it unverified")
+        else:
+            problem = integrity.verify(step_dir)
+    bad = problem is not None
+    if jax.process_count() > 1:
+        bad = bool(multihost_utils.broadcast_one_to_all(np.int32(bad)))
+    if bad:
+        raise CheckpointError(
+            f"init_from checkpoint {step_dir} is bad: {problem or 'see process 0'}; branch from another step"
+        )
+
+
 def _saved_tree(step_dir: str) -> dict:
     """The saved TrainState's tree of array metadata (shapes and dtypes; nothing is read into memory)."""
-    metadata = ocp.StandardCheckpointer().metadata(os.path.join(step_dir, "state"))
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        metadata = checkpointer.metadata(os.path.join(step_dir, "state"))
+    finally:
+        checkpointer.close()
     tree = getattr(metadata, "item_metadata", metadata)
     return dict(getattr(tree, "tree", tree))
 
