@@ -129,7 +129,7 @@ def test_the_budget_stops_a_run_with_a_checkpoint_and_the_next_call_resumes_it(
 @pytest.mark.parametrize(
     "edit,message",
     [
-        (('design = "scratch_paired"', 'design = "branch"'), "design 'branch' is not one of"),
+        (('design = "scratch_paired"', 'design = "forked"'), "design 'forked' is not one of"),
         (('backend = "auto"', 'backend = "fast"'), "backend 'fast' is not one of"),
         (('baseline = "a"', 'baseline = "c"'), "includes the baseline"),
         (("run_minutes = 0.01", "run_minutes = 0.01\nhorizon = 3"), "unknown keys ['horizon']"),

@@ -24,8 +24,12 @@ Keys:
   validation stream, the same for every run); final_eval_sequences N > 0: after the last update, one more
   evaluation of at most N windows selected the same way (fewer when the validation set has fewer: the
   largest multiple of eval_batch_size it holds), recorded as summary["final_eval"]; 0 = none.
-- Checkpoints: every checkpoint_every_steps (0 = only final/preemption), keep_checkpoints, init_checkpoint
-  (start from another run's checkpoint when the workdir has none).
+- Checkpoints: every checkpoint_every_steps (0 = only final/preemption), keep_checkpoints (the newest N;
+  keep_checkpoint_steps: saved at these steps too and kept for good), init_checkpoint
+  (start from another run's checkpoint when the workdir has none). init_from + init_from_step: branch from
+  step N of another run's workdir with this config's recipe (fp4jax.training.branch: params, optimizer
+  state, step and data position taken, amax histories only where they fit); steps counts from 0, so a
+  branch of L updates sets steps = N + L.
 - mesh.data / mesh.fsdp / mesh.tensor (-1 = the remaining devices); data: fp4jax.data's config, with
   data.separator "none" here: the reference's pre-tokenized C4 has nothing between documents.
 - debug_nan_at_step: poison update N's loss and gradients (tests the NaN guard); 0 = off.
@@ -119,8 +123,11 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.checkpoint_every_steps = 384
     c.keep_checkpoints = 3
+    c.keep_checkpoint_steps = ()  # also saved at these steps and never deleted (a trunk's branch points)
     c.async_checkpointing = True
     c.init_checkpoint = ""
+    c.init_from = ""  # branch: another run's workdir (training/branch.py) ...
+    c.init_from_step = 0  # ... and the step of its checkpoint to start from
 
     # FSDP over every device: fp32 master weights + Adam moments of 8B (128 GB) do not fit replicated.
     c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})

@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from fp4jax.study import analysis, claims, plan, report
+from fp4jax.study import analysis, branching, claims, plan, report
 from fp4jax.study.command import run_command
 
 
@@ -52,6 +52,9 @@ def cmd_report(args) -> None:
         sroot = plan.stage_root(args.root, stage)
         if not os.path.isdir(sroot):
             print(f"study: stage {stage.name} has no runs yet")
+            continue
+        if stage.design == "branch":
+            _branch_report(stage, sroot, args.out)
             continue
         result = analysis.analyze(analysis.load_runs(sroot), stage.baseline, args.target, list(stage.arms))
         print(report.to_markdown(result))
@@ -123,6 +126,22 @@ def cmd_instruments(args) -> None:
     print(instruments.table(result))
     for path in instruments.write(result, args.out):
         print(f"wrote {path}")
+
+
+def _branch_report(stage, sroot: str, out: str | None) -> None:
+    """A branch stage's differences at fixed tokens (fp4jax.study.branching): DIR/<stage>.md and .json."""
+    result = branching.analyze(sroot, stage)
+    text = branching.to_markdown(result)
+    print(text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        base = os.path.join(out, stage.name)
+        with open(base + ".md", "w", encoding="utf-8") as f:
+            f.write(text)
+        with open(base + ".json", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {base}.md and {base}.json")
 
 
 def build_parser() -> argparse.ArgumentParser:

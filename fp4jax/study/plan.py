@@ -6,13 +6,15 @@
 
 The plan file: top-level `name`, then `[[stages]]` in the order they run, each with `name`, `design`
 ("scratch_paired": every arm from scratch with the same seeds, so init and data order are shared by all
-arms), `config` (a set-up's config file), `arms` ({arm name: recipe preset}, in report order), `baseline`
+arms; "branch": every arm branched from shared trunks, with keys of its own: fp4jax.study.branching),
+`config` (a set-up's config file), `arms` ({arm name: recipe preset}, in report order), `baseline`
 (an arm), `seeds`, `steps`, `warmup_steps`, `peak_lr`, `backend` (a GEMM back end or "auto"),
 `run_minutes` (one run's expected wall time, used until runs of the stage measured it), optional
 `overrides` ({dotted config key: value}), `requires` (stages that must be complete and, if gated, passed)
 and `gate` (the pass rule, see `gate_result`).
 
-Run layout: ROOT/<stage>/<arm>/seed<k>/ (fp4jax.study.runs), so each stage is a ladder root of its own.
+Run layout: ROOT/<stage>/<arm>/seed<k>/ (fp4jax.study.runs), so each stage is a ladder root of its own;
+a branch stage's is ROOT/<stage>/trunk/seed<k>/ and ROOT/<stage>/<arm>/at<step>/seed<k>/.
 
 Invariants of `run`:
 - a run with a final summary is never started again (runner); an unfinished one resumes from its
@@ -40,7 +42,7 @@ import statistics
 import time
 import tomllib
 
-from fp4jax.study import runner, runs
+from fp4jax.study import branching, runner, runs
 
 __all__ = [
     "DESIGNS",
@@ -54,7 +56,7 @@ __all__ = [
     "stage_specs",
 ]
 
-DESIGNS = ("scratch_paired",)
+DESIGNS = ("scratch_paired", "branch")  # branch: fp4jax.study.branching
 STAGE_KEYS = {
     "name",
     "design",
@@ -70,8 +72,8 @@ STAGE_KEYS = {
     "overrides",
     "requires",
     "gate",
-}
-REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"}
+} | branching.KEYS
+REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"} - branching.KEYS
 GATE_KEYS = {"arm", "against", "last_evals", "smallest_overhead", "sigmas"}
 BACKENDS = ("auto", "emulate", "fp8", "native")
 STOP_MARGIN_S = 60  # stop runs this long before the budget ends: they save a checkpoint and exit
@@ -100,6 +102,9 @@ class Stage:
     overrides: dict[str, object] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     gate: dict | None = None
+    trunk_arm: str | None = None  # the branch design's keys (fp4jax.study.branching)
+    branch_steps: tuple[int, ...] = ()
+    branch_length: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +143,10 @@ def load_plan(path: str) -> Plan:
 
 
 def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
-    unknown, missing = set(raw) - STAGE_KEYS, REQUIRED_KEYS - set(raw)
+    branch = raw.get("design") == "branch"
+    required = REQUIRED_KEYS - {"steps"} | branching.KEYS if branch else REQUIRED_KEYS
+    known = STAGE_KEYS if branch else STAGE_KEYS - branching.KEYS
+    unknown, missing = set(raw) - known, required - set(raw)
     if unknown or missing:
         what = f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}"
         raise ValueError(f"{where}: {what}; a stage has {', '.join(sorted(STAGE_KEYS))}")
@@ -146,6 +154,7 @@ def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
         raise ValueError(f"{where}: a stage name is a unique identifier")
     if raw["design"] not in DESIGNS:
         raise ValueError(f"{where}: design {raw['design']!r} is not one of {', '.join(DESIGNS)}")
+    raw = branching.normalize(raw, where) if branch else raw
     if raw["backend"] not in BACKENDS:
         raise ValueError(f"{where}: backend {raw['backend']!r} is not one of {', '.join(BACKENDS)}")
     arms = raw["arms"]
@@ -177,6 +186,8 @@ def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
         overrides=dict(raw.get("overrides", {})),
         requires=tuple(raw.get("requires", [])),
         gate=None if gate is None else dict(gate),
+        **({"trunk_arm": raw["trunk_arm"], "branch_steps": tuple(raw["branch_steps"])} if branch else {}),
+        **({"branch_length": int(raw["branch_length"])} if branch else {}),
     )
 
 
@@ -197,6 +208,8 @@ def stage_specs(stage: Stage) -> list[runner.RunSpec]:
         _override("optimizer.peak_lr", repr(stage.peak_lr)),
         *(_override(k, v) for k, v in stage.overrides.items()),
     ]
+    if stage.design == "branch":
+        return branching.stage_specs(stage, common)
     rungs = [
         runner.Rung(arm, stage.config, (*common, _override("recipe", recipe)))
         for arm, recipe in stage.arms.items()
@@ -244,9 +257,10 @@ def _env(stage: Stage, log) -> dict[str, str]:
 def expected_minutes(spec: runner.RunSpec, directory: str, stage: Stage, measured: dict[str, float]) -> float:
     """What is left of a run, in minutes: the arm's measured wall time per run (else the plan's
     run_minutes) times the fraction of steps left, plus a resume's overhead when it already has steps."""
-    full = measured.get(spec.rung.name, stage.run_minutes)
-    done = steps_done(directory)
-    left = max(0.0, 1.0 - done / stage.steps)
+    first, last = branching.span(spec, stage)  # a branch starts at its trunk step
+    full = measured.get(spec.rung.name, branching.default_minutes(stage, first, last))
+    done = max(0, steps_done(directory) - first)
+    left = max(0.0, 1.0 - done / (last - first))
     return full * left + (RESUME_OVERHEAD_MINUTES if done else 0.0)
 
 
@@ -316,22 +330,31 @@ def run_plan(
             log(f"study: stage {stage.name} waits: {reason}")
             continue
         sroot = stage_root(root, stage)
-        specs = [spec for spec in stage_specs(stage) if not arms or spec.rung.name in arms]
-        infos = runner.config_infos(specs, list(overrides))
-        todo = []
-        for spec in specs:
-            if runs.is_finished(spec.directory(sroot)):
-                log(f"study: {stage.name}/{spec.label}: finished before, not rerun")
-            elif not reuse_earlier_run(plan, root, stage, spec, list(overrides), log):
-                todo.append(_Todo(spec, stage, sroot))
-        if not todo:
-            continue
-        done.update(_run_stage(todo, infos, slots, kind, deadline, list(overrides), log, clock))
+        for specs in _phases(stage, sroot, arms, log):
+            infos = runner.config_infos(specs, list(overrides))
+            todo = []
+            for spec in specs:
+                if runs.is_finished(spec.directory(sroot)):
+                    log(f"study: {stage.name}/{spec.label}: finished before, not rerun")
+                elif not reuse_earlier_run(plan, root, stage, spec, list(overrides), log):
+                    todo.append(_Todo(spec, stage, sroot))
+            if todo:
+                done.update(_run_stage(todo, infos, slots, kind, deadline, list(overrides), log, clock))
+            if clock() >= deadline - STOP_MARGIN_S:
+                break
         if clock() >= deadline - STOP_MARGIN_S:
             break
     left = max(0.0, (deadline - clock()) / 60)
     log(f"study: this call is done, {left:.1f} of {budget_minutes:g} budget minutes left")
     return done
+
+
+def _phases(stage: Stage, sroot: str, arms, log):
+    """The stage's runs in the order they may run: one phase (scratch), or the trunks then the branches
+    whose trunk checkpoint exists (branch design, chosen after the trunks ran)."""
+    if stage.design == "branch":
+        return branching.phases(stage_specs(stage), sroot, arms, log)
+    return [[spec for spec in stage_specs(stage) if not arms or spec.rung.name in arms]]
 
 
 def _run_stage(todo, infos, slots, kind, deadline, overrides, log, clock) -> dict[str, dict]:

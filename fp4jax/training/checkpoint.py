@@ -49,15 +49,20 @@ def checkpoints_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
-def make_manager(workdir: str, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
-    """The run's manager. Asynchronous: orbax calls back when a step is finalised and the manifest is
-    written then. Synchronous: `save` returns once the step is finalised and writes the manifest itself
-    (orbax refuses a finalisation callback without its AsyncCheckpointer)."""
+def make_manager(workdir: str, *, keep: int, async_save: bool = True, keep_steps=()) -> ocp.CheckpointManager:
+    """The run's manager: the newest `keep` checkpoints are kept, and those of `keep_steps` for good.
+    Asynchronous: orbax calls back when a step is finalised and the manifest is written then. Synchronous:
+    `save` returns once the step is finalised and writes the manifest itself (orbax refuses a finalisation
+    callback without its AsyncCheckpointer)."""
     directory = checkpoints_dir(workdir)
     on_finalized = functools.partial(_after_finalize, directory)
     async_options = ocp.AsyncOptions(post_finalization_callback=on_finalized) if async_save else None
+    policies = [ocp.checkpoint_managers.LatestN(n=keep), ocp.checkpoint_managers.CustomSteps(keep_steps)]
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, enable_async_checkpointing=async_save, create=True, async_options=async_options
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        enable_async_checkpointing=async_save,
+        create=True,
+        async_options=async_options,
     )
     return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
 

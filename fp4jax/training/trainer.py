@@ -21,7 +21,7 @@ import ml_collections
 from fp4jax.data import DataError, make_train_iterator
 from fp4jax.models.llama import flops_per_token
 from fp4jax.models.sharding import sharding_context
-from fp4jax.training import checkpoint, distributed, evaluation, hooks, integrity, metrics, setup
+from fp4jax.training import branch, checkpoint, distributed, evaluation, hooks, integrity, metrics, setup
 from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard, describe
 from fp4jax.training.preemption import StopSignals
@@ -73,6 +73,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     workdir = setup.prepare_workdir(workdir)
     mesh = setup.make_run_mesh(config)
     setup.check_init_checkpoint(config)
+    branch.check_config(config, workdir)
     with sharding_context(mesh), distributed.lost_process_reported():
         run = build_run(config, workdir, mesh, last_step)
         return run_loop(run)
@@ -84,7 +85,10 @@ def build_run(config, workdir: str, mesh, last_step: int) -> Run:
     train_iter, eval_batches, final_eval_batches = load_data(config, tokenizer, mesh)
     state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
     manager = checkpoint.make_manager(
-        workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing
+        workdir,
+        keep=config.keep_checkpoints,
+        async_save=config.async_checkpointing,
+        keep_steps=tuple(config.keep_checkpoint_steps),
     )
     restored = restore(config, manager, checkpoint.abstract_like(state, shardings), train_iter)
     meta = {"evals": [], "target_step": None, "guard": {}}
@@ -142,10 +146,13 @@ def data_hint(message: str) -> str:
 
 
 def restore(config, manager, abstract_state, train_iter):
-    """The workdir's newest good checkpoint, else init_checkpoint's, else None (start from scratch)."""
+    """The workdir's newest good checkpoint, else the branch start of init_from (training.branch), else
+    init_checkpoint's, else None (start from scratch)."""
     if jax.process_index() == 0:
         integrity.remove_orbax_tmp_dirs(str(manager.directory))  # saves cut off mid-way
     restored = checkpoint.restore_newest_good(manager, abstract_state, train_iter)
+    if restored is None and config.init_from:
+        return branch.start_branch(config, abstract_state, train_iter)
     if restored is None and config.init_checkpoint:
         other, max_step = checkpoint.open_init_checkpoint(config.init_checkpoint)
         restored = checkpoint.restore_newest_good(
@@ -175,7 +182,7 @@ def run_loop(run: Run) -> dict:
     finally:
         writer.close()
     status = stop or ("diverged" if divergence else "reached" if run.meta["target_step"] else "not_reached")
-    extra = {"final_eval": run.meta["final_eval"]} if "final_eval" in run.meta else {}
+    extra = {k: run.meta[k] for k in ("final_eval", "branched_from") if k in run.meta}
     if divergence is not None:
         newest = max(integrity.step_dirs(str(run.manager.directory)), default=None)
         extra["divergence_message"] = describe(divergence, guard.last_finite(), run.resumed_from, newest)
@@ -267,7 +274,8 @@ def _may_dispatch_ahead(run: Run, step: int, profiler, stop_pending: bool) -> bo
 
 
 def _checkpoint_due(config, step: int) -> bool:
-    return config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
+    every = config.checkpoint_every_steps
+    return (every > 0 and step % every == 0) or step in config.keep_checkpoint_steps
 
 
 def _next_batch(run: Run) -> dict:

@@ -1,0 +1,248 @@
+"""The branching design of a study stage (design = "branch"): one trunk per seed, every arm branched from it.
+
+Stage keys beside the common ones (fp4jax.study.plan): `trunk_arm` (the arm whose recipe trains the
+trunks, usually the baseline), `branch_steps` (the trunk steps to branch at, ascending, e.g. one early and
+one late), `branch_length` (updates per branch). `steps` is not set: the trunk trains to the last branch
+step, saving and keeping a checkpoint at every branch step (config.keep_checkpoint_steps). `run_minutes`
+is one branch's expected wall time; the trunk's is taken as run_minutes x its updates / branch_length
+until runs measured it. A branch stage has no gate.
+
+Runs, under the stage's root: trunk/seed<k>/ (trunk_arm's recipe from scratch, seed k, to the last branch
+step), then <arm>/at<step>/seed<k>/ for every branch step, seed and arm (trunk_arm included): the trunk's
+checkpoint at that step continued for branch_length updates with the arm's recipe (config.init_from,
+fp4jax.training.branch: the trunk's params, optimizer state, step, data position and LR schedule; amax
+histories where they fit). Every run of a stage has the stage's warm-up, peak LR, overrides and seed k, so
+a branch sees the trunk's next batches and its schedule. A branch starts only once its trunk has saved the
+checkpoint it starts from; the never-rerun and budget rules are the scratch runs' (plan.run_plan).
+
+Analysis (`analyze`): per branch step s and eval tokens T shared by the branches from s, each arm's eval
+loss minus the baseline arm's branch from the same trunk (seed) and step, per seed and as the paired
+model's contrast (stats.fit_additive over arms x trunks, residual variance pooled over arms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+
+from fp4jax.study import runner, runs, stats
+from fp4jax.training import integrity
+
+__all__ = [
+    "KEYS",
+    "TRUNK",
+    "BranchRun",
+    "analyze",
+    "default_minutes",
+    "normalize",
+    "phases",
+    "span",
+    "stage_specs",
+    "to_markdown",
+]
+
+KEYS = {"trunk_arm", "branch_steps", "branch_length"}
+TRUNK = "trunk"  # the trunks' directory under the stage root, so no arm may take the name
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchRun(runner.RunSpec):
+    """A run branched at trunk step `at` from the trunk of its seed (<stage root>/trunk/seed<k>)."""
+
+    at: int = 0
+
+    def argv(self, root: str, overrides: list[str]) -> list[str]:
+        """The trainer's command line, then where it branches from (the last of a key wins)."""
+        trunk = os.path.join(root, TRUNK, f"seed{self.seed}")
+        branch = [f"--config.init_from={trunk}", f"--config.init_from_step={self.at}"]
+        return [*super().argv(root, overrides), *branch]
+
+
+def normalize(raw: dict, where: str) -> dict:
+    """A branch stage's table checked, with `steps` (the trunk's: the last branch step) filled in; a
+    ValueError of one line names the first bad entry."""
+    if "steps" in raw or "gate" in raw:
+        raise ValueError(
+            f"{where}: a branch stage sets no steps (its trunk trains to the last of branch_steps), no gate"
+        )
+    steps, length = raw["branch_steps"], raw["branch_length"]
+    if (
+        not isinstance(steps, list)
+        or not steps
+        or not all(isinstance(s, int) and s >= 1 for s in steps)
+        or steps != sorted(set(steps))
+    ):
+        raise ValueError(f"{where}: branch_steps is an ascending list of distinct trunk steps >= 1")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"{where}: branch_length (updates per branch) is an integer >= 1")
+    arms = raw.get("arms") if isinstance(raw.get("arms"), dict) else {}
+    if raw["trunk_arm"] not in arms or TRUNK in arms:
+        raise ValueError(f"{where}: trunk_arm is one of the arms, and no arm is called {TRUNK!r}")
+    return {**raw, "steps": steps[-1]}
+
+
+def stage_specs(stage, common: list[str]) -> list[runner.RunSpec]:
+    """The trunks (seed-major), then per branch step (early first) every arm's branch, seed-major."""
+    keep = ",".join(str(s) for s in stage.branch_steps)
+    trunk = runner.Rung(
+        TRUNK,
+        stage.config,
+        (*common, _set("recipe", stage.arms[stage.trunk_arm]), _set("keep_checkpoint_steps", f"({keep},)")),
+    )
+    specs: list[runner.RunSpec] = runner.plan([trunk], list(stage.seeds), None)
+    for at in stage.branch_steps:
+        for seed in stage.seeds:
+            for arm, recipe in stage.arms.items():
+                overrides = (*common, _set("recipe", recipe), _set("steps", at + stage.branch_length))
+                specs.append(BranchRun(runner.Rung(f"{arm}/at{at}", stage.config, overrides), seed, at=at))
+    return specs
+
+
+def _set(key: str, value) -> str:
+    return f"--config.{key}={value}"
+
+
+def span(spec: runner.RunSpec, stage) -> tuple[int, int]:
+    """(first, last) step of a run: a branch's trunk step and that + branch_length; else 0 and the stage's
+    steps."""
+    if isinstance(spec, BranchRun):
+        return spec.at, spec.at + stage.branch_length
+    return 0, stage.steps
+
+
+def default_minutes(stage, first: int, last: int) -> float:
+    """A run's expected wall time before any was measured: run_minutes per run of the stage (scratch), per
+    branch_length updates (branch)."""
+    per = stage.branch_length if stage.design == "branch" else stage.steps
+    return stage.run_minutes * (last - first) / per
+
+
+def _arm(spec: runner.RunSpec) -> str:
+    return spec.rung.name.split("/")[0]
+
+
+def _trunk_ready(spec: BranchRun, sroot: str) -> bool:
+    """The trunk's checkpoint at the branch step is saved and its manifest written (so it is complete)."""
+    step_dir = os.path.join(sroot, TRUNK, f"seed{spec.seed}", "checkpoints", str(spec.at))
+    return os.path.isdir(step_dir) and integrity.has_manifest(step_dir)
+
+
+def phases(specs: list[runner.RunSpec], sroot: str, arms: list[str] | None, log):
+    """The stage's runs in two phases, yielded in turn (the second is chosen after the first has run):
+    the trunks (always: every branch needs one), then the branches of the named arms (all when None)
+    whose trunk checkpoint exists; the others are logged as waiting."""
+    yield [s for s in specs if not isinstance(s, BranchRun)]
+    ready = []
+    for spec in specs:
+        if not isinstance(spec, BranchRun) or (arms and _arm(spec) not in arms):
+            continue
+        if _trunk_ready(spec, sroot) or runs.is_finished(spec.directory(sroot)):
+            ready.append(spec)
+        else:
+            log(f"study: {spec.label} waits: its trunk has no checkpoint at step {spec.at} yet")
+    yield ready
+
+
+# ------------------------------------------------------------------------------------------ analysis
+
+
+def _evals(directory: str) -> dict[int, tuple[int, float]] | None:
+    """{tokens: (step, eval loss)} of a finished, not diverged branch; None otherwise."""
+    summary = runs.read_json(runs.summary_path(directory))
+    if runs.status_of(summary) not in ("reached", "not_reached"):
+        return None
+    return {int(e[2]): (int(e[0]), float(e[3])) for e in runs.evals_from(summary, []) if math.isfinite(e[3])}
+
+
+def analyze(sroot: str, stage) -> dict:
+    """Per branch step, per eval tokens every branch from that step reached: per arm its eval loss minus
+    the baseline's branch from the same trunk and step (per seed, their mean), and the paired model's
+    contrast arm - baseline (estimate, SE, 95 % t interval, df; None where the table has no residual df).
+    Runs without a final, not diverged summary are listed under "missing" and left out."""
+    points = []
+    for at in stage.branch_steps:
+        curves, missing = {}, []
+        for spec in stage_specs(stage, []):
+            if isinstance(spec, BranchRun) and spec.at == at:
+                evals = _evals(spec.directory(sroot))
+                if evals is None:
+                    missing.append(spec.label)
+                else:
+                    curves[(_arm(spec), spec.seed)] = evals
+        points.append({"at": at, "missing": missing, "evals": _point_evals(curves, stage)})
+    return {
+        "stage": stage.name,
+        "design": "branch",
+        "baseline": stage.baseline,
+        "trunk_arm": stage.trunk_arm,
+        "branch_length": stage.branch_length,
+        "points": points,
+    }
+
+
+def _point_evals(curves: dict, stage) -> list[dict]:
+    """One entry per eval tokens count shared by every branch present at a branch step."""
+    if not curves:
+        return []
+    shared = sorted(set.intersection(*(set(c) for c in curves.values())))
+    arms = [a for a in stage.arms if any(arm == a for arm, _ in curves)]
+    rows = []
+    for tokens in shared:
+        loss = {key: c[tokens][1] for key, c in curves.items()}
+        step = next(iter(curves.values()))[tokens][0]
+        rows.append({"tokens": tokens, "step": step, "arms": _differences(loss, arms, stage)})
+    return rows
+
+
+def _differences(loss: dict, arms: list[str], stage) -> dict:
+    base = stage.baseline
+    table = {(arm, f"seed{seed}"): value for (arm, seed), value in loss.items()}
+    fit = stats.fit_additive(*stats.cells_to_table(table, arms=arms)) if base in arms else None
+    out = {}
+    for arm in arms:
+        per_seed = {s: loss[(arm, s)] for (a, s) in loss if a == arm}
+        diffs = {s: v - loss[(base, s)] for s, v in per_seed.items() if (base, s) in loss}
+        row = {
+            "loss": {str(s): v for s, v in per_seed.items()},
+            "difference": {str(s): d for s, d in diffs.items()},
+            "mean_difference": statistics.fmean(diffs.values()) if diffs else None,
+            "contrast": None,
+        }
+        if fit is not None and arm != base and diffs:
+            try:
+                row["contrast"] = stats.contrast(fit, {arm: 1.0, base: -1.0}, f"{arm} - {base}")
+            except ValueError:  # no residual df (one trunk), or not estimable: the differences stand alone
+                pass
+        out[arm] = row
+    return out
+
+
+def to_markdown(result: dict) -> str:
+    """Per branch step, the last shared evaluation: each arm's loss difference to the baseline's branch."""
+    lines = [
+        f"Branching design: trunks of `{result['trunk_arm']}`, {result['branch_length']} updates per branch; "
+        f"eval loss minus the `{result['baseline']}` branch from the same trunk and step (nats).",
+    ]
+    for point in result["points"]:
+        lines += ["", f"Branched at step {point['at']}:", ""]
+        if not point["evals"]:
+            lines.append("no finished branches yet")
+            continue
+        last = point["evals"][-1]
+        lines += [
+            f"| arm | difference at {last['tokens']:,} tokens (mean over trunks) | contrast ± SE [95 % CI] | "
+            "each trunk |",
+            "|---|---|---|---|",
+        ]
+        for arm, row in last["arms"].items():
+            c = row["contrast"]
+            cell = "-" if c is None else f"{c['estimate']:+.4f} ± {c['se']:.4f}"
+            cell += "" if c is None else f" [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]"
+            mean = "-" if row["mean_difference"] is None else f"{row['mean_difference']:+.4f}"
+            each = ", ".join(f"s{s}: {d:+.4f}" for s, d in row["difference"].items())
+            lines.append(f"| {arm} | {mean} | {cell} | {each} |")
+        if point["missing"]:
+            lines.append(f"\nnot finished (left out): {', '.join(point['missing'])}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,192 @@
+"""The branching design of a study stage (fp4jax/study/branching.py) with a fake trainer: the trunks run
+first with their branch points kept, then every arm x branch step x seed from its trunk's checkpoint; a
+second call runs nothing; the analysis pairs each branch with the baseline's from the same trunk and step;
+bad branch stages are one-line errors. The real trainer's init_from is tested in tests/test_branch.py."""
+
+import json
+import math
+import os
+import statistics
+import sys
+
+import pytest
+
+from fp4jax.study import __main__ as study_cli
+from fp4jax.study import branching, plan, runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BRANCH_PLAN = """
+name = "tiny_branch"
+[[stages]]
+name = "branches"
+design = "branch"
+config = "configs/tiny_c4_h16.py"
+baseline = "a"
+trunk_arm = "a"
+branch_steps = [2, 4]
+branch_length = 3
+seeds = [0, 1]
+warmup_steps = 1
+peak_lr = 1e-3
+backend = "auto"
+run_minutes = 0.01
+[stages.arms]
+a = "fp8"
+b = "mxfp4_full"
+"""
+# A trainer that finishes at once. The trunk (no init_from) writes a checkpoint with a manifest at each of
+# keep_checkpoint_steps; a branch refuses (exit 2) unless its trunk has the checkpoint it starts from, and
+# evaluates every step after it: 5 - ln(tokens) / 10, arm b 0.01 + 0.003 x seed nats higher.
+FAKE = """
+import json, math, os, sys
+args = dict(a[9:].split("=", 1) for a in sys.argv if a.startswith("--config."))
+workdir = sys.argv[sys.argv.index("--workdir") + 1]
+steps, seed = int(args["steps"]), int(args["seed"])
+if "init_from" in args:
+    source = os.path.join(args["init_from"], "checkpoints", args["init_from_step"], "fp4jax_manifest.json")
+    if not os.path.exists(source):
+        sys.exit(2)
+    first = int(args["init_from_step"])
+else:
+    first = 0
+    for step in args["keep_checkpoint_steps"].strip("()").split(","):
+        if step:
+            os.makedirs(os.path.join(workdir, "checkpoints", step), exist_ok=True)
+            open(os.path.join(workdir, "checkpoints", step, "fp4jax_manifest.json"), "w").write("{}")
+b = args["recipe"] == "mxfp4_full"
+evals = [[s, s, 1000 * s, 5 - math.log(1000 * s) / 10 + (0.01 + 0.003 * seed if b else 0)]
+         for s in range(first + 1, steps + 1)]
+with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump({"status": "not_reached", "steps": steps, "evals": evals}, f)
+"""
+
+
+@pytest.fixture
+def branch_plan(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(runner.RunSpec, "argv_real", runner.RunSpec.argv, raising=False)
+    monkeypatch.setattr(
+        runner.RunSpec, "argv", lambda self, root, o: [sys.executable, "-c", FAKE, *self.argv_real(root, o)]
+    )
+    path = tmp_path / "branch.toml"
+    path.write_text(BRANCH_PLAN)
+    return plan.load_plan(str(path))
+
+
+def _command(root, label):
+    with open(os.path.join(root, "branches", *label.split("/"), "ladder_run.json")) as f:
+        return json.load(f)["command"]
+
+
+def test_trunks_run_first_then_every_branch_and_a_second_call_runs_nothing(branch_plan, tmp_path):
+    root = str(tmp_path / "runs")
+    lines = []
+    done = plan.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
+    started = [line.split("start branches/")[1] for line in lines if "start branches/" in line]
+    trunks = ["trunk/seed0", "trunk/seed1"]
+    at2 = ["a/at2/seed0", "b/at2/seed0", "a/at2/seed1", "b/at2/seed1"]
+    at4 = [label.replace("at2", "at4") for label in at2]
+    assert started == trunks + at2 + at4 and sorted(done) == sorted(started)
+    assert all(s["status"] == "not_reached" for s in done.values())  # no branch was refused its trunk
+
+    trunk = _command(root, "trunk/seed1")
+    assert "--config.recipe=fp8" in trunk and "--config.keep_checkpoint_steps=(2,4,)" in trunk
+    assert "--config.steps=4" in trunk and "--config.seed=1" in trunk
+    branch = _command(root, "b/at4/seed1")
+    assert branch[-2:] == [f"--config.init_from={root}/branches/trunk/seed1", "--config.init_from_step=4"]
+    assert "--config.recipe=mxfp4_full" in branch and branch.index("--config.steps=7") > branch.index(
+        "--config.steps=4"
+    )  # the branch's horizon comes after the stage's: the last one wins
+    assert plan.stage_complete(root, branch_plan.stages[0])
+
+    again = []
+    assert plan.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}
+    assert sum("not rerun" in line for line in again) == 10 and not any("start" in line for line in again)
+
+
+def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(branch_plan, tmp_path):
+    root = str(tmp_path / "runs")
+    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    result = branching.analyze(plan.stage_root(root, branch_plan.stages[0]), branch_plan.stages[0])
+    early, late = result["points"]
+    assert early["at"] == 2 and [e["tokens"] for e in early["evals"]] == [3000, 4000, 5000]
+    assert [e["tokens"] for e in late["evals"]] == [5000, 6000, 7000] and not late["missing"]
+    row = late["evals"][-1]["arms"]["b"]
+    diffs = [0.01, 0.013]
+    assert row["difference"] == pytest.approx({"0": diffs[0], "1": diffs[1]})
+    assert row["loss"]["1"] == pytest.approx(5 - math.log(7000) / 10 + 0.013)
+    c = row["contrast"]  # two arms: the paired t interval of the per-trunk differences
+    assert c["estimate"] == pytest.approx(statistics.fmean(diffs)) and c["df"] == 1
+    assert c["se"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(2))
+    baseline = late["evals"][0]["arms"]["a"]
+    assert baseline["mean_difference"] == 0 and baseline["contrast"] is None
+    text = branching.to_markdown(result)
+    assert "Branched at step 4:" in text and "| b | +0.0115 |" in text
+
+    out = tmp_path / "report"
+    assert study_cli.main(["report", "--plan", branch_plan.path, "--root", root, "--out", str(out)]) == 0
+    assert (out / "branches.md").read_text() == text
+    assert json.loads((out / "branches.json").read_text())["points"][1]["at"] == 4
+
+
+def test_branches_wait_for_their_trunks_checkpoint(branch_plan, tmp_path):
+    """A trunk that saved only its early branch point: the late branches wait, the early ones run."""
+    root = str(tmp_path / "runs")
+    stage = branch_plan.stages[0]
+    specs = plan.stage_specs(stage)
+    sroot = plan.stage_root(root, stage)
+    for seed in (0, 1):
+        step_dir = os.path.join(sroot, "trunk", f"seed{seed}", "checkpoints", "2")
+        os.makedirs(step_dir)
+        open(os.path.join(step_dir, "fp4jax_manifest.json"), "w").write("{}")
+    lines = []
+    trunks, ready = branching.phases(specs, sroot, ["b"], lines.append)
+    assert [s.label for s in trunks] == ["trunk/seed0", "trunk/seed1"]
+    assert [s.label for s in ready] == ["b/at2/seed0", "b/at2/seed1"]
+    assert lines == [f"study: b/at4/seed{k} waits: its trunk has no checkpoint at step 4 yet" for k in (0, 1)]
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (("warmup_steps = 1", "warmup_steps = 1\nsteps = 9"), "a branch stage sets no steps"),
+        (("branch_steps = [2, 4]", "branch_steps = [4, 2]"), "branch_steps is an ascending list"),
+        (("branch_length = 3", "branch_length = 0"), "branch_length (updates per branch) is an integer"),
+        (('trunk_arm = "a"', 'trunk_arm = "c"'), "trunk_arm is one of the arms"),
+        (('trunk_arm = "a"\n', ""), "missing keys ['trunk_arm']"),
+        (('design = "branch"', 'design = "scratch_paired"\nsteps = 4'), "unknown keys ['branch_length'"),
+    ],
+)
+def test_bad_branch_stages_are_one_line_errors(tmp_path, edit, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(BRANCH_PLAN.replace(*edit))
+    pattern = message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=pattern) as info:
+        plan.load_plan(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_a_branch_expects_its_own_updates_only(branch_plan, tmp_path):
+    """Before any run is measured: a branch's time is run_minutes whatever its trunk step, the trunk's
+    scales with its updates, and a branch resumed part-way has the rest of its own updates left."""
+    stage = branch_plan.stages[0]
+    specs = {s.label: s for s in plan.stage_specs(stage)}
+    fresh = str(tmp_path / "fresh")
+    assert plan.expected_minutes(specs["trunk/seed0"], fresh, stage, {}) == pytest.approx(0.01 * 4 / 3)
+    assert plan.expected_minutes(specs["b/at4/seed0"], fresh, stage, {}) == pytest.approx(0.01)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints" / "5").mkdir(parents=True)
+    left = plan.expected_minutes(specs["b/at4/seed0"], str(resumed), stage, {})
+    assert left == pytest.approx(0.01 * 2 / 3 + plan.RESUME_OVERHEAD_MINUTES)
+
+
+def test_the_example_plan_loads_and_its_trunk_keeps_the_branch_points(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    stage = plan.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "branch125m.toml")).stages[0]
+    specs = plan.stage_specs(stage)
+    assert (stage.steps, stage.branch_steps, len(specs)) == (600, (250, 600), 3 + 5 * 2 * 3)
+    trunk = runner.load_config(stage.config, specs[0].config_args([]))
+    assert trunk.keep_checkpoint_steps == (250, 600) and trunk.recipe == "fp8_mlperf" and trunk.steps == 600
+    late = next(s for s in specs if s.label == "full_h16/at600/seed2")
+    branch = runner.load_config(stage.config, late.config_args([]))
+    assert (branch.steps, branch.recipe, branch.seed) == (850, "mxfp4_full_h16", 2)
