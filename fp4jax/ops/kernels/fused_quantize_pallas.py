@@ -19,6 +19,11 @@ benchmarks/bench_quantize.py times others, and every config gives the same bits.
 - fp8_fold via mx (columns, and longer rows): the mx kernel also writes each tile's part of the row tops;
   a small row-wise kernel then folds its E2M1 output, packed byte by packed byte (one uint16 of two E4M3
   codes each). It moves 1.06 more bytes per element but keeps the transposing kernel small.
+
+Stochastic rounding: the mx and one-pass kernels take the random bits (uint32, one per output element,
+drawn by fused_quantize as quantize_mx draws them) as one more input with the output's tiling, read
+whole or by the same parts as the values, and round with tile_math.encode_elements; a block's non-zero
+flag (the fold's row top) then comes from its codes. A prescale needs no input: encode_elements applies it.
 """
 
 from __future__ import annotations
