@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
         [--tiles mx_row=32x256x4,...] [--sweep | --access | --column-parts 0,8,16,32] [--out FILE.md]
+        [--rounding stochastic] [--prescale 0.75]
 
 For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: the fp8 back end's
@@ -14,7 +15,13 @@ folded operand, E4M3 + int32 row exponents), it times
 
 timed with harness.amortized_seconds (`--iters` back-to-back calls, one wait, median of 5), cycling over
 three different inputs so that nothing stays in L2; `kernels` counts the compiled program's kernels.
-Effective TB/s = (bytes of the bf16 input + bytes of the outputs) / median time; the copy ceiling is a
+The operand is AMD's MXFP4 (E2M1, blocks of 32, the even scale rule); --rounding and --prescale change
+its rounding and prescale for every row (mxfp4_full_sr's Dgrad/Wgrad operand: --rounding stochastic;
+mxfp4_full_sr_prescale's: --rounding stochastic --prescale 0.75). Every call then takes one fixed key
+as an argument, so stochastic rounding draws its bits at run time (inside each timed call) as in
+training, and `same` compares against quantize_mx with that key.
+Effective TB/s = (bytes of the bf16 input + bytes of the outputs) / median time (stochastic rounding's
+uint32 bits, written by XLA and read by the kernel, are not counted); the copy ceiling is a
 plain bf16 `x * 2` (read + write). `same` says whether the result equals, bit for bit, the reference
 path with fused_quantize's rotation (hadamard_rotate, the rotation both fused paths share); `vs matmul`
 gives the fraction of output bytes that differ from the literal reference (its matmul rotation rounds
@@ -36,19 +43,27 @@ from fp4jax import ops
 from fp4jax.ops import KernelConfig, QuantSpec, RotationSpec, Tile, quantize
 
 SPEC = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
+KEY = jax.random.key(0)  # every timed function takes (x, key); stochastic rounding draws from it
 ROTATIONS = {"none": RotationSpec(), "H16": RotationSpec(kind="deterministic", size=16)}
 
 
 def _reference_fn(axis: int, rotation: RotationSpec, out: str, rotate):
     """The unfused path: rotate (matmul or the shared butterfly), quantize_mx, fold."""
 
-    def run(x):
+    def run(x, key):
         xt = x if axis == -1 else jnp.swapaxes(x, -1, -2)
         v = xt  # bf16, as quantized_dot rotates it (rotate_blocks: bf16 x bf16 for H16)
         if rotation.kind != "none":
             v = rotate(v, rotation.size)
         mx = quantize.quantize_mx(
-            v, axis=-1, elem=SPEC.elem, block_size=SPEC.block_size, scale_mode=SPEC.scale_mode
+            v,
+            axis=-1,
+            elem=SPEC.elem,
+            block_size=SPEC.block_size,
+            scale_mode=SPEC.scale_mode,
+            rounding=SPEC.rounding,
+            key=key,
+            prescale=SPEC.prescale,
         )
         return mx if out == "mx" else ops.fold_mx_to_fp8(mx)
 
@@ -64,9 +79,9 @@ def _butterfly_rotate(v, size):
 
 
 def _fused_fn(axis: int, rotation: RotationSpec, out: str, impl: str, config: KernelConfig = KernelConfig()):
-    def run(x):
+    def run(x, key):
         return ops.rotate_quantize(
-            x, axis=axis, spec=SPEC, rotation=rotation, out=out, impl=impl, config=config
+            x, axis=axis, spec=SPEC, rotation=rotation, key=key, out=out, impl=impl, config=config
         )
 
     return jax.jit(run)
@@ -145,15 +160,15 @@ def _candidates(axis, rotation, out, impls, config):
 
 def _one_case(inputs, m, k, rot_name, rotation, layout, axis, out, iters, impls, config):
     rows = []
-    same_rotation = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
+    same_rotation = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0], KEY)
     candidates = _candidates(axis, rotation, out, impls, config)
-    literal = candidates["reference"](inputs[0])
+    literal = candidates["reference"](inputs[0], KEY)
     for impl, fn in candidates.items():
         kernels_run = 0
         try:
-            seconds = harness.amortized_seconds(fn, [(x,) for x in inputs], iters)
-            kernels_run = harness.kernel_count(fn, inputs[0])
-            result = fn(inputs[0])
+            seconds = harness.amortized_seconds(fn, [(x, KEY) for x in inputs], iters)
+            kernels_run = harness.kernel_count(fn, inputs[0], KEY)
+            result = fn(inputs[0], KEY)
             same = "-" if impl == "reference" else ("yes" if _same(result, same_rotation) else "NO")
             differ = f"{_differ_fraction(result, literal):.2e}"
             tbs = _io_bytes(m, k, out) / seconds / 1e12
@@ -197,8 +212,8 @@ def _sweep_config(base: KernelConfig, field: str, tile) -> tuple[str, KernelConf
 
 def _time_candidate(fn, inputs, want, m, k, out, iters):
     try:
-        seconds = harness.amortized_seconds(fn, [(x,) for x in inputs], iters)
-        same = "yes" if _same(fn(inputs[0]), want) else "NO"
+        seconds = harness.amortized_seconds(fn, [(x, KEY) for x in inputs], iters)
+        same = "yes" if _same(fn(inputs[0], KEY), want) else "NO"
         return seconds, _io_bytes(m, k, out) / seconds / 1e12, same
     except Exception as e:
         print("".join(traceback.format_exception_only(e))[-2000:], flush=True)
@@ -212,7 +227,7 @@ def sweep(m: int, k: int, iters: int, base: KernelConfig) -> list[tuple]:
     rotation = ROTATIONS["H16"]
     for (out, column), candidates in SWEEP.items():
         axis, layout = (-2, "col") if column else (-1, "row")
-        want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
+        want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0], KEY)
         for field, tile in candidates:
             name, config = _sweep_config(base, field, tile)
             fn = _fused_fn(axis, rotation, out, "pallas", config)
@@ -250,7 +265,7 @@ def access_sweep(shapes, iters: int, base: KernelConfig) -> list[tuple]:
 
 def _access_rows(inputs, m, k, rot_name, rotation, layout, axis, out, method, iters, base) -> list[tuple]:
     rows = []
-    want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0])
+    want = _reference_fn(axis, rotation, out, _butterfly_rotate)(inputs[0], KEY)
     for access, changes in MEMORY_ACCESS.items():
         if axis == -2 and access == "split loads":
             continue  # column tiles: the same kernels as without split loads
@@ -269,7 +284,7 @@ def column_parts_sweep(m: int, k: int, iters: int, sizes: list[int], base: Kerne
     inputs = [jax.random.normal(kk, (m, k), jnp.bfloat16) for kk in jax.random.split(jax.random.key(2), 3)]
     rotation = ROTATIONS["none"]
     for out in OUTPUTS:
-        want = _reference_fn(-2, rotation, out, _butterfly_rotate)(inputs[0])
+        want = _reference_fn(-2, rotation, out, _butterfly_rotate)(inputs[0], KEY)
         for size in sizes:
             for _, tile in SWEEP["mx", True]:
                 config = dataclasses.replace(
@@ -318,6 +333,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def main():
+    global SPEC  # --rounding / --prescale: the operand every row quantizes
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x8192,16384x4096", help="MxK,... (bf16 operands)")
     parser.add_argument("--iters", type=int, default=30, help="back-to-back calls per timing")
@@ -333,6 +349,10 @@ def main():
         "(rows x cols x warps; the Tile fields of fp4jax.ops.KernelConfig)",
     )
     parser.add_argument("--out", default="", help="write the markdown table here")
+    parser.add_argument(
+        "--rounding", default=SPEC.rounding, choices=quantize.ROUNDING_MODES, help="the operand's rounding"
+    )
+    parser.add_argument("--prescale", type=float, default=SPEC.prescale, help="the operand's prescale")
     parser.add_argument("--sweep", action="store_true", help="only time candidate Pallas tiles (first shape)")
     parser.add_argument(
         "--access",
@@ -346,6 +366,7 @@ def main():
         "(first shape; 0 = whole-tile transpose), each with the candidate column tiles",
     )
     args = parser.parse_args()
+    SPEC = dataclasses.replace(SPEC, rounding=args.rounding, prescale=args.prescale)
     config = config_from_tiles(args.tiles)
     shapes = [_pair(s) for s in args.shapes.split(",")]
     impls = args.impls.split(",")
@@ -366,6 +387,7 @@ def main():
     command += " --sweep" if args.sweep else ""
     command += " --access" if args.access else ""
     command += f" --column-parts {args.column_parts}" if args.column_parts else ""
+    command += f" --rounding {args.rounding} --prescale {args.prescale:g}"
     command += f" --tiles {tiles}"
     harness.emit(to_markdown(rows, command), args.out)
 

@@ -457,6 +457,25 @@ def test_fp8_epilogue_tests_without_triton():
     )
 
 
+def test_the_execution_record_says_what_the_kernels_run(monkeypatch):
+    """On one NVIDIA GPU the record names stochastic rounding and prescale where the recipe has them."""
+    from fp4jax.ops import execution, get_recipe
+
+    monkeypatch.setattr(probes, "describe_device", lambda: probes.DeviceDescription("nvidia", "H200", "9.0"))
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    runs = lambda name: execution._quantizer_runs(get_recipe(name))  # noqa: E731
+    assert (
+        runs("mxfp4_full")
+        == runs("mxfp4_full_rht")
+        == "pallas kernels where the tiles fit, reference elsewhere"
+    )
+    assert runs("mxfp4_full_sr") == (
+        "pallas kernels (stochastic rounding in the kernels, its random bits drawn by XLA) where the tiles "
+        "fit, reference elsewhere"
+    )
+    assert "; prescale in the kernels)" in runs("mxfp4_full_sr_prescale")
+
+
 def test_the_run_trains_with_the_recipe_the_environment_resolves(fresh_auto):
     """training.setup's edge: the config's preset, its fp8_scaling, then the environment's overrides; what
     the run's summary records as `execution`."""

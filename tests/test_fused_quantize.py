@@ -24,6 +24,7 @@ from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
 H16 = RotationSpec(kind="deterministic", size=16)
 H32 = RotationSpec(kind="deterministic", size=32)
 RANDOM32 = RotationSpec(kind="random", size=32)
+RANDOM16 = RotationSpec(kind="random", size=16)
 NO_ROTATION = RotationSpec()
 
 
@@ -365,10 +366,99 @@ def test_pallas_lowers_to_triton_without_a_gpu(access):
         for column, rotation, sign_row in ((False, H16, None), (True, RANDOM32, signs)):
 
             def run(x, s, column=column, rotation=rotation, out=out):
-                return kernels.rotate_quantize_3d(x, column, spec, rotation, s, out, False, config)
+                return kernels.rotate_quantize_3d(x, column, spec, rotation, s, None, out, False, config)
 
             text = jax.jit(run).trace(x, sign_row).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text or "triton" in text
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pallas with stochastic rounding and prescale: the bits come in as an input, tiled like the output
+
+SR = QuantSpec(kind="mx", scale_mode="even", rounding="stochastic")
+SR_PRESCALE = dataclasses.replace(SR, prescale=0.75)
+PRESCALE = QuantSpec(kind="mx", scale_mode="even", prescale=0.75)
+
+
+def _adversarial(seed: int) -> jax.Array:
+    """_hard_inputs (zeros, ties, subnormals, the largest finite values, NaN/Inf, wide ranges), 32 x 256,
+    with the first rows' blocks holding one outlier each (2^12 times the rest, at a random position)."""
+    x = _hard_inputs(rows=32, cols=256, seed=seed)
+    rng = np.random.default_rng(seed)
+    blocks = x[:4].reshape(4, -1, 32)
+    blocks[np.arange(4)[:, None], np.arange(8)[None], rng.integers(0, 32, (4, 8))] *= 4096.0
+    x[:4] = blocks.reshape(4, -1)
+    return jnp.asarray(x)
+
+
+SR_CASES = {  # (axis, rotation, spec, out or fold method, key seed or None)
+    "row-sr-mx": (-1, NO_ROTATION, SR, "mx", 0),
+    "col-h16-sr-mx": (-2, H16, SR, "mx", 1),
+    "col-random16-sr_prescale-mx": (-2, RANDOM16, SR_PRESCALE, "mx", 2),
+    "row-random16-sr_prescale-one_pass": (-1, RANDOM16, SR_PRESCALE, "one_pass", 3),
+    "col-sr_prescale-via_mx": (-2, NO_ROTATION, SR_PRESCALE, "via_mx", 4),
+    "col-h16-prescale-mx": (-2, H16, PRESCALE, "mx", None),
+    "row-e4m3-prescale-mx": (
+        -1,
+        NO_ROTATION,
+        dataclasses.replace(PRESCALE, elem="e4m3", scale_mode="ceil"),
+        "mx",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SR_CASES))
+def test_pallas_stochastic_and_prescale_match_reference(case):
+    """The kernels (interpret mode) give quantize_mx's bits for the same key, both layouts, by parts
+    (rotated or not) and for each fold method; in the first case another key gives other bits (the bits
+    reach the kernel)."""
+    axis, rotation, spec, out, key = SR_CASES[case]
+    x = _adversarial(seed=20 + (key or 0))
+    signs = random_signs(jax.random.key(9), rotation.size) if rotation.kind == "random" else None
+    config = VIA_MX_ROWS if out == "via_mx" else fq.KernelConfig()
+    out_kind = "mx" if out == "mx" else "fp8_fold"
+    check = functools.partial(
+        _check, x, axis=axis, spec=spec, rotation=rotation, out=out_kind, impl="pallas", signs=signs
+    )
+    got = check(key=None if key is None else jax.random.key(key), config=config)
+    if key == 0:
+        other = check(key=jax.random.key(100), config=config)
+        assert np.any(_bits(got.data) != _bits(other.data))
+
+
+def test_pallas_stochastic_whole_tile_reads_match_reference():
+    """SR in the kernels' other spelling: tiles read whole (rotation blocks that do not tile the MX
+    block; unrotated columns with column_parts=0), the bits' tile reshaped like the values'."""
+    x = _adversarial(seed=30)
+    whole = fq.KernelConfig(column_parts=0)
+    key = jax.random.key(11)
+    _check(
+        x,
+        axis=-1,
+        spec=dataclasses.replace(SR_PRESCALE, block_size=16),
+        rotation=H32,
+        impl="pallas",
+        key=key,
+        config=whole,
+    )
+    _check(x, axis=-2, spec=SR, impl="pallas", key=key, config=whole, out="fp8_fold")
+
+
+def test_pallas_stochastic_lowers_to_triton_without_a_gpu():
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    x = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
+    for out, column in (("mx", True), ("fp8_fold", False)):
+        bits = jax.ShapeDtypeStruct((1, 512, 64) if column else (1, 64, 512), jnp.uint32)
+
+        def run(x, b, column=column, out=out):
+            return kernels.rotate_quantize_3d(
+                x, column, SR_PRESCALE, H16, None, b, out, False, fq.KernelConfig()
+            )
+
+        text = jax.jit(run).trace(x, bits).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -378,7 +468,7 @@ def test_pallas_lowers_to_triton_without_a_gpu(access):
 def test_bad_input_is_one_clear_error():
     x = jnp.zeros((32, 64))
     spec = QuantSpec(kind="mx")
-    with pytest.raises(ValueError, match="XLA path only"):
+    with pytest.raises(ValueError, match="needs a PRNG key"):
         fq.rotate_quantize(x, spec=QuantSpec(kind="mx", rounding="stochastic"), impl="pallas")
     with pytest.raises(ValueError, match="E2M1 elements only"):
         fq.rotate_quantize(x, spec=QuantSpec(kind="mx", elem="e4m3"), out="fp8_fold")
@@ -388,8 +478,6 @@ def test_bad_input_is_one_clear_error():
         fq.rotate_quantize(jnp.zeros((32, 48)), spec=spec)
     with pytest.raises(ValueError, match="axis must be"):
         fq.rotate_quantize(jnp.zeros((2, 32, 64)), axis=0, spec=spec)
-    with pytest.raises(ValueError, match="prescale runs on the XLA path only"):
-        fq.rotate_quantize(x, spec=QuantSpec(kind="mx", prescale=0.75), impl="pallas")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -409,9 +497,16 @@ def test_choose_impl_takes_pallas_only_where_asked_and_supported():
     assert choose() == "pallas" and choose(axis=-2) == "pallas"
     assert choose(setting="xla") == "xla" and choose(setting="reference") == "xla"
     assert choose(setting="auto") == "pallas"
+    assert (
+        choose(rotation=RANDOM16, setting="auto") == "pallas"
+    )  # random signs: a sign row, as mxfp4_full_rht
+    # Stochastic rounding and prescale run in the kernels too.
+    sr_prescale = dataclasses.replace(spec, rounding="stochastic", prescale=0.75)
+    assert (
+        choose(spec=sr_prescale, setting="auto") == "pallas" and choose(spec=sr_prescale, axis=-2) == "pallas"
+    )
+    assert choose(spec=sr_prescale, setting="xla") == "xla"
     # Where the kernels do not run, "pallas" and "auto" fall back to XLA (same bits).
-    assert choose(spec=dataclasses.replace(spec, rounding="stochastic")) == "xla"
-    assert choose(spec=dataclasses.replace(spec, prescale=0.75)) == "xla"
     assert choose(device=probes.DeviceDescription("cpu", "cpu")) == "xla"
     assert choose(device=probes.DeviceDescription("amd", "MI300X", "gfx942")) == "xla"
     assert choose(device_count=8) == "xla"  # a pallas_call does not shard
@@ -456,10 +551,11 @@ def test_compiled_pallas_matches_reference_on_hard_inputs(axis, rotation):
     """
     x = jnp.asarray(np.concatenate([_hard_inputs(rows=64, cols=512, seed=s) for s in (11, 12)]))
     signs = random_signs(jax.random.key(4), rotation.size) if rotation.kind == "random" else None
-    for spec in (QuantSpec(kind="mx"), QuantSpec(kind="mx", scale_mode="even")):
+    key = jax.random.key(6)
+    for spec in (QuantSpec(kind="mx"), QuantSpec(kind="mx", scale_mode="even"), SR_PRESCALE, SR, PRESCALE):
         for out in fq.OUTPUTS:
             got = fq.rotate_quantize(
-                x, axis=axis, spec=spec, rotation=rotation, signs=signs, out=out, impl="pallas"
+                x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl="pallas"
             )
-            want = _reference(x, signs, None, axis=axis, spec=spec, rotation=rotation, out=out)
+            want = _reference(x, signs, key, axis=axis, spec=spec, rotation=rotation, out=out)
             _assert_same(got, want)

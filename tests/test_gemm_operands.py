@@ -75,11 +75,39 @@ def test_fused_wiring_gives_the_reference_products(recipe, backend):
     reason="needs one NVIDIA GPU (where the compiled Pallas kernels run)",
 )
 @pytest.mark.parametrize(
-    "recipe, backend", [("mxfp4_full_h16", "fp8"), ("mxfp4_full", "fp8"), ("mxfp4_full_h16", "emulate")]
+    "recipe, backend",
+    [
+        ("mxfp4_full_h16", "fp8"),
+        ("mxfp4_full", "fp8"),
+        ("mxfp4_full_h16", "emulate"),
+        ("mxfp4_full_sr_prescale", "fp8"),
+        ("mxfp4_full_rht", "fp8"),
+    ],
 )
 def test_pallas_wiring_gives_the_reference_products(recipe, backend):
     """The compiled kernels in all three GEMMs (every axis a multiple of 256: every operand takes them)."""
     _assert_same_products_as_reference("pallas", recipe, backend, _inputs(2, m=256, k=512, n=256))
+
+
+@pytest.mark.parametrize(
+    "recipe, backend",
+    [("mxfp4_full_sr", "emulate"), ("mxfp4_full_sr_prescale", "fp8"), ("mxfp4_full_rht", "fp8")],
+)
+def test_pallas_kernels_in_interpret_mode_give_the_reference_products(recipe, backend, monkeypatch):
+    """quantizer="pallas" with the kernels in interpret mode, as if they ran here: every MX operand of
+    all three GEMMs takes them (stochastic rounding with and without prescale, random signs per call),
+    and y, dx, dw equal the reference path's bit for bit."""
+    impls = []
+    rotate_quantize = fused_quantize.rotate_quantize
+
+    def interpreted(*args, **kwargs):
+        impls.append(kwargs["impl"])
+        return rotate_quantize(*args, interpret=True, **kwargs)
+
+    monkeypatch.setattr(fused_quantize, "pallas_supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fused_quantize, "rotate_quantize", interpreted)
+    _assert_same_products_as_reference("pallas", recipe, backend, _inputs())
+    assert impls == ["pallas"] * 6  # two operands per GEMM, three GEMMs, traced once
 
 
 @pytest.mark.parametrize("axis", [-1, -2])

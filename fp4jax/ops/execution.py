@@ -36,12 +36,23 @@ class Execution:
         return dataclasses.asdict(self)
 
 
-def _quantizer_runs(quantizer: str) -> str:
-    if quantizer in ("xla", "reference"):
-        return quantizer
+def _quantizer_runs(recipe: Recipe) -> str:
+    if recipe.quantizer in ("xla", "reference"):
+        return recipe.quantizer
     if probes.describe_device().vendor == "nvidia" and jax.device_count() == 1:
-        return "pallas kernels where the tiles fit, reference elsewhere"
+        return f"pallas kernels{_kernel_extras(recipe)} where the tiles fit, reference elsewhere"
     return "reference (the Pallas kernels run on one NVIDIA GPU only)"
+
+
+def _kernel_extras(recipe: Recipe) -> str:
+    """What the kernels do for this recipe beyond nearest rounding, as a parenthesis (or nothing)."""
+    mx = [s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "mx"]
+    extras = []
+    if any(s.rounding == "stochastic" for s in mx):
+        extras.append("stochastic rounding in the kernels, its random bits drawn by XLA")
+    if any(s.prescale != 1 for s in mx):
+        extras.append("prescale in the kernels")
+    return f" ({'; '.join(extras)})" if extras else ""
 
 
 def resolve_execution(
@@ -65,5 +76,5 @@ def resolve_execution(
         backends.check_backend(recipe.backend, source if backend else "recipe")
         resolved, reason = recipe.backend, f"set by {source}" if backend else "set by the recipe"
     probes.run_probes(resolved)
-    execution = Execution(resolved, reason, recipe.quantizer, _quantizer_runs(recipe.quantizer))
+    execution = Execution(resolved, reason, recipe.quantizer, _quantizer_runs(recipe))
     return recipe, execution

@@ -45,6 +45,7 @@ __all__ = [
     "quantize_mx",
     "round_to_grid",
     "scale_exponent",
+    "stochastic_bits",
 ]
 
 
@@ -114,14 +115,30 @@ def ldexp_exact(v: jax.Array, k: jax.Array) -> jax.Array:
 # rounding onto an element grid
 
 
+def stochastic_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The uint32 random bits stochastic rounding draws for magnitudes of `shape` (one per element).
+
+    Every implementation draws them here, over the reference's shape (quantize_mx's blocked shape), so
+    the same key gives the same bit to the same element wherever it is rounded.
+    """
+    return jax.random.bits(key, shape, jnp.uint32)
+
+
 def round_to_grid(
-    abs_y: jax.Array, fmt: ElemFormat, rounding: str, key: jax.Array | None = None
+    abs_y: jax.Array,
+    fmt: ElemFormat,
+    rounding: str,
+    key: jax.Array | None = None,
+    *,
+    random_bits: jax.Array | None = None,
 ) -> jax.Array:
     """Rounds non-negative float32 magnitudes onto `fmt`'s grid, saturating at fmt.max_value.
 
     The grid spacing in the binade of v is 2^(q - mantissa_bits) with q = max(floor(log2 v), emin), so
     v / spacing is an exact float32 and rounding it to an integer is the whole job. Stochastic rounding
-    picks the upper neighbour with probability (v - lower) / spacing using 24 uniform random bits.
+    picks the upper neighbour with probability (v - lower) / spacing using 24 uniform random bits: the
+    top 24 of `random_bits` (uint32 shaped like abs_y), or of stochastic_bits(key, abs_y.shape). The
+    fused quantizer's kernels call this same function on their tiles, with the bits as an input.
     """
     q = jnp.maximum(_floor_log2(_bits(abs_y)), fmt.emin)
     units = abs_y * pow2(fmt.mantissa_bits - q)
@@ -130,10 +147,11 @@ def round_to_grid(
     elif rounding == "nearest_away":
         units = lax.round(units, lax.RoundingMethod.AWAY_FROM_ZERO)
     elif rounding == "stochastic":
-        if key is None:
+        if random_bits is None and key is None:
             raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-        random_bits = jax.random.bits(key, abs_y.shape, jnp.uint32)
-        uniform = (random_bits >> 8).astype(jnp.float32) * (2.0**-24)  # in [0, 1), 24 bits
+        random_bits = stochastic_bits(key, abs_y.shape) if random_bits is None else random_bits
+        # < 2^24 after the shift: exact through int32, which every back end converts to float32.
+        uniform = (random_bits >> 8).astype(jnp.int32).astype(jnp.float32) * (2.0**-24)  # [0, 1), 24 bits
         lower = jnp.floor(units)
         units = lower + (uniform < units - lower).astype(jnp.float32)
     else:

@@ -213,7 +213,7 @@ def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, quant
     """The fused quantizer (fused_quantize.rotate_quantize) for this operand, or None for the reference path.
 
     quantizer (Recipe.quantizer) "auto" or "pallas": the Pallas kernels on MX operands where they run
-    (`fused_quantize.pallas_supports`: one NVIDIA GPU, nearest rounding, full tiles), the reference path
+    (`fused_quantize.pallas_supports`: one NVIDIA GPU, full tiles; any rounding), the reference path
     elsewhere. "xla": the fused XLA formulation everywhere (slower than the reference path on GPUs; it
     lets CPU tests exercise this wiring). "reference": the reference path. Either way the operands are
     bit for bit the reference path's wherever the rotation's float32 sums are exact

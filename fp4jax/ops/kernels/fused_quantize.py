@@ -25,9 +25,19 @@ Invariants (tests/test_fused_quantize.py checks them bit for bit on CPU, Pallas 
 Both implementations compute the tile math of tile_math.py (the rotation's definition, the exact
 integer encoding, the fold), so they give the same bits; only the tiling differs. Exactness does not
 depend on the platform: rounding is done on integer significands (no float rounding, no flush-to-zero),
-so results equal quantize.py's exact arithmetic everywhere. Stochastic rounding and prescale run on the
-XLA path only (SR's random bits are jax.random.bits over the reference's shape, so it matches
-quantize_mx bit for bit); impl="pallas" with either is an error.
+so results equal quantize.py's exact arithmetic everywhere.
+
+Stochastic rounding and prescale run in both implementations. SR's random bits are drawn outside the
+kernels, by quantize.stochastic_bits over the very shape quantize_mx draws them over (the output
+orientation, (..., rows, n / block_size, block_size)), and handed to the kernels as one more input
+tiled like the output (uint32, one per element; for a column-wise operand x's tile is transposed in
+registers, the bits' tile is not). Row-major order over that shape is row-major over the output, so
+every element meets the reference's bit, and tile_math.encode_elements applies quantize.round_to_grid's
+own formula to it (the top 24 bits as the uniform variate): the same key gives the same bits, by
+construction. The cost is 4 bytes of bits written by XLA and read by the kernel per element. A prescale
+is quantize_mx's one float32 multiply after the exact scaling, in both implementations. (Drawing the
+bits inside the kernel would save that traffic, but matching jax's threefry counter layout, which
+depends on jax_threefry_partitionable and the jax version, would have to be checked at run time.)
 
 Which implementation: impl="auto" asks `choose_impl` (Pallas where `pallas_supports`, XLA elsewhere).
 How the Pallas kernels tile and move memory is a `KernelConfig` (a static argument; the default is the
@@ -43,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax.ops import formats
+from fp4jax.ops import formats, quantize
 from fp4jax.ops.formats import get_elem_format
 from fp4jax.ops.kernels import fold, probes
 from fp4jax.ops.kernels import fused_quantize_pallas as pallas_kernels
@@ -100,10 +110,6 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
         )
     if rotation.kind == "random" and (signs is None or signs.shape != (rotation.size,)):
         raise ValueError(f"rotation kind 'random' needs signs of shape ({rotation.size},): pass signs=")
-    if spec.rounding == "stochastic" and impl == "pallas":
-        raise ValueError("stochastic rounding runs on the XLA path only: use impl='xla' or 'auto'")
-    if spec.prescale != 1 and impl == "pallas":
-        raise ValueError("prescale runs on the XLA path only: use impl='xla' or 'auto'")
     length = x.shape[axis]
     multiple = rotation.length_multiple(spec.block_size)
     if length % multiple:
@@ -123,14 +129,14 @@ def _sign_row(rotation: RotationSpec, signs, n: int):
 # the XLA path
 
 
-def _xla_rotate_quantize(x2, spec, rotation, sign_row, key, out, bits_shape):
-    """x2: (rows, n), already in the output orientation; returns the raw output arrays."""
+def _xla_rotate_quantize(x2, spec, rotation, sign_row, random_bits, out):
+    """x2: (rows, n), already in the output orientation (random_bits too); returns the raw outputs."""
     fmt = get_elem_format(spec.elem)
     rows, n = x2.shape
     v = x2.astype(jnp.float32)
     if rotation.kind != "none":
         v = hadamard_rotate(v, rotation.size, sign_row)
-    codes, exponent, finite, nonzero = quantize_tile(v, fmt, spec, key, bits_shape)
+    codes, exponent, finite, nonzero = quantize_tile(v, fmt, spec, random_bits)
     if out == "mx":
         data = pack_e2m1(codes) if fmt.name == "e2m1" else codes.reshape(-1)
         return data.astype(jnp.uint8).reshape(rows, -1), scale_bits(exponent, finite).reshape(rows, -1)
@@ -169,14 +175,14 @@ def pallas_supports(
 
     Only on NVIDIA GPUs (the kernels are Triton; checked on an H200 by benchmarks/bench_quantize.py),
     with one device in the process (a pallas_call is opaque to XLA's sharding propagation: on a mesh it
-    would need shard_map, not written yet), nearest rounding without prescale (stochastic rounding and
-    prescale stay on the XLA path), and full tiles (PALLAS_ROW_MULTIPLE, PALLAS_COL_MULTIPLE).
+    would need shard_map, not written yet), and full tiles (PALLAS_ROW_MULTIPLE, PALLAS_COL_MULTIPLE).
+    Every rounding mode and prescale runs in the kernels (stochastic rounding reads its bits as an input).
     """
     device = probes.describe_device() if device is None else device
     device_count = jax.device_count() if device_count is None else device_count
     if device.vendor != "nvidia" or device_count != 1:
         return False
-    if spec.kind != "mx" or spec.rounding == "stochastic" or spec.prescale != 1:
+    if spec.kind != "mx":
         return False
     column = axis % len(shape) == len(shape) - 2
     out_rows, n = (shape[-1], shape[-2]) if column else (shape[-2], shape[-1])
@@ -218,7 +224,8 @@ def rotate_quantize(
     Args:
       axis: -1 (row-wise) or -2 (column-wise: the result is for swapaxes(x, -1, -2)).
       spec: an MX QuantSpec; rotation: a RotationSpec ("random" needs its `signs`, as
-        quantized_dot's _rotation_signs draws them); key: for rounding="stochastic" (XLA path).
+        quantized_dot's _rotation_signs draws them); key: for rounding="stochastic" (either impl; the
+        same key gives quantize_mx's bits).
       out: "mx" -> MXArray; "fp8_fold" -> fold.FoldedOperand (E2M1 only, float8_e4m3fn).
       impl: "auto" (`choose_impl`: Pallas where it runs), "pallas", "xla".
       interpret: run the Pallas kernels in interpret mode (CPU tests).
@@ -243,13 +250,30 @@ def _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret
     out_shape = xt.shape
     n = out_shape[-1]
     sign_row = _sign_row(rotation, signs, n)
+    random_bits = _random_bits(spec, key, out_shape)
     if impl == "pallas":
         x3 = x.reshape(-1, *x.shape[-2:])
-        raw = pallas_kernels.rotate_quantize_3d(x3, column, spec, rotation, sign_row, out, interpret, config)
+        bits3 = None if random_bits is None else random_bits.reshape(x3.shape[0], -1, n)
+        raw = pallas_kernels.rotate_quantize_3d(
+            x3, column, spec, rotation, sign_row, bits3, out, interpret, config
+        )
     else:
-        bits_shape = (*out_shape[:-1], n // spec.block_size, spec.block_size)
-        raw = _xla_rotate_quantize(xt.reshape(-1, n), spec, rotation, sign_row, key, out, bits_shape)
+        bits2 = None if random_bits is None else random_bits.reshape(-1, n)
+        raw = _xla_rotate_quantize(xt.reshape(-1, n), spec, rotation, sign_row, bits2, out)
     return _assemble(raw, out_shape, lead, spec, out)
+
+
+def _random_bits(spec: QuantSpec, key, out_shape):
+    """Stochastic rounding's uint32 bits, one per output element, or None for nearest rounding.
+
+    Drawn by quantize.stochastic_bits over the shape quantize_mx draws them over (the output orientation,
+    blocks split off the last axis), so with the same key every element gets the reference's bit;
+    row-major over that shape is row-major over out_shape, the order both implementations read them in.
+    """
+    if spec.rounding != "stochastic":
+        return None
+    n = out_shape[-1]
+    return quantize.stochastic_bits(key, (*out_shape[:-1], n // spec.block_size, spec.block_size))
 
 
 def _assemble(raw, out_shape, lead, spec, out):

@@ -19,6 +19,11 @@ benchmarks/bench_quantize.py times others, and every config gives the same bits.
 - fp8_fold via mx (columns, and longer rows): the mx kernel also writes each tile's part of the row tops;
   a small row-wise kernel then folds its E2M1 output, packed byte by packed byte (one uint16 of two E4M3
   codes each). It moves 1.06 more bytes per element but keeps the transposing kernel small.
+
+Stochastic rounding: the mx and one-pass kernels take the random bits (uint32, one per output element,
+drawn by fused_quantize as quantize_mx draws them) as one more input with the output's tiling, read
+whole or by the same parts as the values, and round with tile_math.encode_elements; a block's non-zero
+flag (the fold's row top) then comes from its codes. A prescale needs no input: encode_elements applies it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from fp4jax.ops import formats
 from fp4jax.ops.formats import F32_ABS_MASK, get_elem_format, require_power_of_two
 from fp4jax.ops.kernels import fold
 from fp4jax.ops.kernels import tile_math as tm
-from fp4jax.ops.kernels.codes import f32_bits, fold_e2m1_to_e4m3fn
+from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, f32_bits, fold_e2m1_to_e4m3fn
 
 __all__ = ["KernelConfig", "Tile", "rotate_quantize_3d"]
 
@@ -102,6 +107,39 @@ def _pick(length: int, want: int, minimum: int) -> int:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """A kernel's input refs: x's tile, the sign row's (random rotations), the random bits' (stochastic
+    rounding: uint32, one per output element, in the output orientation: (rows, cols) of the output)."""
+
+    x: object
+    signs: object = None
+    bits: object = None
+
+    @staticmethod
+    def split(refs, has_signs: bool, has_bits: bool):
+        """(_Inputs, the output refs) from a kernel's refs: x, [signs], [bits], outputs..."""
+        x, rest = refs[0], list(refs[1:])
+        signs = rest.pop(0) if has_signs else None
+        bits = rest.pop(0) if has_bits else None
+        return _Inputs(x, signs, bits), rest
+
+    def quantize_whole(self, column, spec, rotation, fmt):
+        """The tile read whole: rotated (butterflies over views), then tile_math.quantize_tile."""
+        t = _rotate(_load_tile(self.x, column), rotation, self.signs)
+        return tm.quantize_tile(t, fmt, spec, None if self.bits is None else self.bits[...])
+
+
+def _side_inputs(sign_row, random_bits, sign_spec, bits_spec):
+    """The in_specs and arrays of the optional inputs, in the order _Inputs.split takes them."""
+    specs, args = [], []
+    for array, spec in ((sign_row, sign_spec), (random_bits, bits_spec)):
+        if array is not None:
+            specs.append(spec)
+            args.append(array)
+    return specs, args
+
+
 def _load_tile(x_ref, column: bool):
     t = x_ref[...]
     # Transpose in the input dtype (bf16: half the bytes through shared memory), then widen.
@@ -130,11 +168,11 @@ def _parts(spec, rotation, column: bool, config: KernelConfig) -> int:
     return parts if column and parts and spec.block_size % parts == 0 else 0
 
 
-def _load_parts(x_ref, column: bool, size: int, split: bool) -> list[jax.Array]:
-    """The tile by parts: [element k of every run of `size`, as (output rows, runs) float32]."""
+def _load_parts(x_ref, column: bool, size: int, split: bool, dtype=jnp.float32) -> list[jax.Array]:
+    """The tile by parts: [element k of every run of `size`, as (output rows, runs) `dtype`]."""
     if column or not split:
-        return [_load_part(x_ref, column, k, size) for k in range(size)]
-    t = x_ref[...].astype(jnp.float32)
+        return [_load_part(x_ref, column, k, size, dtype) for k in range(size)]
+    t = x_ref[...].astype(dtype)
     rows, runs = t.shape[0], t.shape[1] // size
     return [p.reshape(rows, runs) for p in jnp.split(t.reshape(rows, runs, size), size, axis=2)]
 
@@ -151,27 +189,28 @@ def _interleave(values: list[jax.Array]) -> jax.Array:
     return values[0].reshape(rows, -1)
 
 
-def _load_part(x_ref, column: bool, k: int, size: int):
-    """Element k of every run of `size` along the quantized axis, as an (output rows, runs) float32 tile."""
+def _load_part(x_ref, column: bool, k: int, size: int, dtype=jnp.float32):
+    """Element k of every run of `size` along the quantized axis, as an (output rows, runs) `dtype` tile."""
     runs = (x_ref.shape[0] if column else x_ref.shape[1]) // size
     if column:
-        return x_ref[pl.ds(k, runs, stride=size), :].T.astype(jnp.float32)
-    return x_ref[:, pl.ds(k, runs, stride=size)].astype(jnp.float32)
+        return x_ref[pl.ds(k, runs, stride=size), :].T.astype(dtype)
+    return x_ref[:, pl.ds(k, runs, stride=size)].astype(dtype)
 
 
-def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size, split, fold_rows=None):
+def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, split, fold_rows=None):
     """The (rotated) tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
 
+    inputs: the tile's _Inputs (x, and the sign row and random bits where there are any).
     Part k holds element k of every run of `size` (a rotation block, tile_math.hadamard_parts); an MX
     block is `per_block` consecutive runs. Codes go back to position k of every run (halved for packed
     E2M1: byte p of a run holds its elements 2p, 2p + 1), joined in registers into one contiguous store.
     With `fold_rows` (the one-pass kernel: a whole row per tile, _RowFold) they go out folded into E4M3,
     one byte each. `split`: read the parts with one contiguous load (row layout), else strided loads.
     """
-    parts = _load_parts(x_ref, column, size, split)
+    parts = _load_parts(inputs.x, column, size, split)
     rows, runs = parts[0].shape
     if rotation.kind != "none":
-        signs = None if s_ref is None else [s_ref[:, pl.ds(k, runs, stride=size)] for k in range(size)]
+        signs = None if inputs.signs is None else _load_parts(inputs.signs, False, size, False)
         parts = tm.hadamard_parts(parts, signs)
     bits = [f32_bits(p) for p in parts]
     per_block = spec.block_size // size
@@ -183,7 +222,15 @@ def _quantize_by_parts(x_ref, s_ref, data_ref, column, spec, rotation, fmt, size
         return jnp.broadcast_to(v[:, :, None], (rows, runs // per_block, per_block)).reshape(rows, runs)
 
     e, f = per_run(exponent), per_run(finite)
-    codes = [jnp.where(f, tm.encode_nearest(b, e, fmt, spec), 0) for b in bits]
+    # The random bits lie in the output orientation (row-major over the output), so their parts are
+    # row parts whatever the layout of x.
+    random = [None] * size
+    if inputs.bits is not None:
+        random = _load_parts(inputs.bits, False, size, split, jnp.uint32)
+    codes = [tm.encode_elements(b, e, f, fmt, spec, r) for b, r in zip(bits, random, strict=True)]
+    if spec.rounding == "stochastic":  # non-zero-ness depends on the draw: read it off the codes
+        top = functools.reduce(jnp.maximum, [c & MAGNITUDE_MASK[fmt.name] for c in codes])
+        nonzero = tm.rounded_nonzero(top.reshape(rows, runs // per_block, per_block), finite, fmt)
     if fold_rows is not None:
         shift, keep, nan_row = fold_rows.per_block(exponent, finite, nonzero)
         shift, keep = per_run(shift), per_run(keep)
@@ -217,20 +264,18 @@ class _RowFold:
         return shift, in_window, self.nan_row
 
 
-def _mx_kernel(x_ref, *refs, column, spec, rotation, has_signs, with_tops, config):
-    s_ref = refs[0] if has_signs else None
-    outs = refs[1:] if has_signs else refs
+def _mx_kernel(*refs, column, spec, rotation, has_signs, has_bits, with_tops, config):
+    inputs, outs = _Inputs.split(refs, has_signs, has_bits)
     data_ref, scale_ref = outs[:2]
     fmt = get_elem_format(spec.elem)
     rows = data_ref.shape[0]
     size = _parts(spec, rotation, column, config)
     if size:
         exponent, finite, nonzero = _quantize_by_parts(
-            x_ref, s_ref, data_ref, column, spec, rotation, fmt, size, config.split_loads
+            inputs, data_ref, column, spec, rotation, fmt, size, config.split_loads
         )
     else:
-        t = _rotate(_load_tile(x_ref, column), rotation, s_ref)
-        codes, exponent, finite, nonzero = tm.quantize_tile(t, fmt, spec)
+        codes, exponent, finite, nonzero = inputs.quantize_whole(column, spec, rotation, fmt)
         data = tm.pack_e2m1(codes) if fmt.name == "e2m1" else codes
         data_ref[...] = data.reshape(rows, -1).astype(jnp.uint8)
     scale_ref[...] = tm.scale_bits(exponent, finite).reshape(rows, -1).astype(jnp.uint8)
@@ -248,8 +293,10 @@ def _mx_tile(spec, rotation, column: bool, config: KernelConfig) -> Tile:
     return config.mx_column_unrotated if unrotated_parts else config.mx_column
 
 
-def _mx_call(x3, column, spec, rotation, sign_row, interpret, config, with_tops=False):
-    """Packed data and scales, (batch * rows, ...); with_tops adds per-tile row tops and NaN flags."""
+def _mx_call(x3, column, spec, rotation, sign_row, random_bits, interpret, config, with_tops=False):
+    """Packed data and scales, (batch * rows, ...); with_tops adds per-tile row tops and NaN flags.
+
+    random_bits: None, or (batch, output rows, n) uint32 (stochastic rounding), tiled like the output."""
     batch, r0, c0 = x3.shape
     out_rows, n = (c0, r0) if column else (r0, c0)
     tile = _mx_tile(spec, rotation, column, config)
@@ -262,16 +309,20 @@ def _mx_call(x3, column, spec, rotation, sign_row, interpret, config, with_tops=
         x_spec = pl.BlockSpec((None, tn, tr), lambda b, i, j: (b, j, i))
     else:
         x_spec = pl.BlockSpec((None, tr, tn), lambda b, i, j: (b, i, j))
-    in_specs, args = [x_spec], [x3]
-    if sign_row is not None:
-        in_specs.append(pl.BlockSpec((1, tn), lambda b, i, j: (0, j)))
-        args.append(sign_row)
+    side_specs, side_args = _side_inputs(
+        sign_row,
+        random_bits,
+        pl.BlockSpec((1, tn), lambda b, i, j: (0, j)),
+        pl.BlockSpec((None, tr, tn), lambda b, i, j: (b, i, j)),
+    )
+    in_specs, args = [x_spec, *side_specs], [x3, *side_args]
     kernel = functools.partial(
         _mx_kernel,
         column=column,
         spec=spec,
         rotation=rotation,
         has_signs=sign_row is not None,
+        has_bits=random_bits is not None,
         with_tops=with_tops,
         config=config,
     )
@@ -327,9 +378,9 @@ def _fold_from_mx_kernel(data_ref, scale_ref, top_ref, nan_ref, out_ref, flushed
     flushed_ref[...] = jnp.sum(flushed.reshape(rows, nb), axis=1, keepdims=True)
 
 
-def _fold_via_mx(x3, column, spec, rotation, sign_row, interpret, config):
+def _fold_via_mx(x3, column, spec, rotation, sign_row, random_bits, interpret, config):
     data, scale, tops, nans = _mx_call(
-        x3, column, spec, rotation, sign_row, interpret, config, with_tops=True
+        x3, column, spec, rotation, sign_row, random_bits, interpret, config, with_tops=True
     )
     top = jnp.max(tops, axis=1, keepdims=True)
     top = jnp.where(top == tm.NO_BLOCK, 0, top)
@@ -374,20 +425,18 @@ def _one_pass_fits(n: int, spec, rotation, config: KernelConfig) -> bool:
     return fits and n % rotation.length_multiple(spec.block_size) == 0
 
 
-def _fold_one_pass_kernel(x_ref, *refs, spec, rotation, has_signs, config):
+def _fold_one_pass_kernel(*refs, spec, rotation, has_signs, has_bits, config):
     """The mx kernel's quantization of whole rows, written folded: E4M3 bytes, row exponents, flushes."""
-    s_ref = refs[0] if has_signs else None
-    data_ref, rowexp_ref, flushed_ref = refs[-3:]
+    inputs, (data_ref, rowexp_ref, flushed_ref) = _Inputs.split(refs, has_signs, has_bits)
     fmt, rows = get_elem_format(spec.elem), data_ref.shape[0]
     fold_rows = _RowFold()
     size = _parts(spec, rotation, False, config)
     if size:
         _quantize_by_parts(
-            x_ref, s_ref, data_ref, False, spec, rotation, fmt, size, config.one_pass_split_loads, fold_rows
+            inputs, data_ref, False, spec, rotation, fmt, size, config.one_pass_split_loads, fold_rows
         )
     else:
-        t = _rotate(_load_tile(x_ref, False), rotation, s_ref)
-        codes, exponent, finite, nonzero = tm.quantize_tile(t, fmt, spec)
+        codes, exponent, finite, nonzero = inputs.quantize_whole(False, spec, rotation, fmt)
         by_row = lambda v: v.reshape(rows, -1)  # noqa: E731  (rows, blocks)
         shift, keep, nan_row = fold_rows.per_block(by_row(exponent), by_row(finite), by_row(nonzero))
         by_block = codes.reshape(rows, -1, spec.block_size)
@@ -398,21 +447,26 @@ def _fold_one_pass_kernel(x_ref, *refs, spec, rotation, has_signs, config):
     flushed_ref[...] = fold_rows.flushed
 
 
-def _fold_one_pass(x3, spec, rotation, sign_row, interpret, config):
+def _fold_one_pass(x3, spec, rotation, sign_row, random_bits, interpret, config):
     batch, out_rows, n = x3.shape
     tr = _pick(out_rows, max(1, config.one_pass.cols // n), 1)
-    in_specs, args = [pl.BlockSpec((None, tr, n), lambda b, i: (b, i, 0))], [x3]
-    if sign_row is not None:
-        in_specs.append(pl.BlockSpec((1, n), lambda b, i: (0, 0)))
-        args.append(sign_row)
+    row_tile = pl.BlockSpec((None, tr, n), lambda b, i: (b, i, 0))
+    side_specs, side_args = _side_inputs(
+        sign_row, random_bits, pl.BlockSpec((1, n), lambda b, i: (0, 0)), row_tile
+    )
     kernel = functools.partial(
-        _fold_one_pass_kernel, spec=spec, rotation=rotation, has_signs=sign_row is not None, config=config
+        _fold_one_pass_kernel,
+        spec=spec,
+        rotation=rotation,
+        has_signs=sign_row is not None,
+        has_bits=random_bits is not None,
+        config=config,
     )
     per_row = pl.BlockSpec((None, tr, 1), lambda b, i: (b, i, 0))
     data, row_exponent, flushed = pl.pallas_call(
         kernel,
         grid=(batch, out_rows // tr),
-        in_specs=in_specs,
+        in_specs=[row_tile, *side_specs],
         out_specs=[pl.BlockSpec((None, tr, n), lambda b, i: (b, i, 0)), per_row, per_row],
         out_shape=[
             jax.ShapeDtypeStruct((batch, out_rows, n), jnp.uint8),
@@ -422,14 +476,21 @@ def _fold_one_pass(x3, spec, rotation, sign_row, interpret, config):
         compiler_params=_params(config.one_pass),
         interpret=interpret,
         name="fused_rotate_quantize_fold_one_pass",
-    )(*args)
+    )(x3, *side_args)
     return data.reshape(batch * out_rows, n), row_exponent.reshape(-1), jnp.sum(flushed)
 
 
-def rotate_quantize_3d(x3, column, spec, rotation, sign_row, out, interpret, config: KernelConfig):
-    """x3: (batch, rows, cols); returns fused_quantize's raw outputs (uint8 / int32 arrays)."""
+def rotate_quantize_3d(
+    x3, column, spec, rotation, sign_row, random_bits, out, interpret, config: KernelConfig
+):
+    """x3: (batch, rows, cols); returns fused_quantize's raw outputs (uint8 / int32 arrays).
+
+    random_bits: None (nearest rounding), or for stochastic rounding (batch, output rows, n) uint32 in
+    the output orientation, one per output element (fused_quantize draws them as quantize_mx does)."""
+    if (random_bits is None) != (spec.rounding != "stochastic"):
+        raise ValueError("random_bits must be given exactly when spec.rounding is 'stochastic'")
     if out == "mx":
-        return _mx_call(x3, column, spec, rotation, sign_row, interpret, config)
+        return _mx_call(x3, column, spec, rotation, sign_row, random_bits, interpret, config)
     if not column and _one_pass_fits(x3.shape[2], spec, rotation, config):
-        return _fold_one_pass(x3, spec, rotation, sign_row, interpret, config)
-    return _fold_via_mx(x3, column, spec, rotation, sign_row, interpret, config)
+        return _fold_one_pass(x3, spec, rotation, sign_row, random_bits, interpret, config)
+    return _fold_via_mx(x3, column, spec, rotation, sign_row, random_bits, interpret, config)

@@ -42,6 +42,7 @@ __all__ = [
     "NO_BLOCK",
     "block_info",
     "block_info_from_amax",
+    "encode_elements",
     "encode_nearest",
     "fold_codes",
     "fold_elements",
@@ -50,6 +51,7 @@ __all__ = [
     "hadamard_rotate",
     "pack_e2m1",
     "quantize_tile",
+    "rounded_nonzero",
     "scale_bits",
 ]
 
@@ -150,7 +152,8 @@ def block_info(v: jax.Array, fmt: ElemFormat, spec: QuantSpec):
 
 def block_info_from_amax(amax_bits: jax.Array, fmt: ElemFormat, spec: QuantSpec):
     """Block exponents, finite, non-zero after rounding, from the float32 bits of each block's largest
-    magnitude (any shape; with a prescale, one-dimensional)."""
+    magnitude (any shape). Under stochastic rounding non-zero-ness depends on the draw: the caller takes
+    it from the codes instead (`rounded_nonzero`)."""
     finite = amax_bits < F32_INF_BITS
     exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, spec.scale_mode)
     # Rounding (and the prescale's multiply) is monotone, so a block is non-zero iff its largest
@@ -158,16 +161,17 @@ def block_info_from_amax(amax_bits: jax.Array, fmt: ElemFormat, spec: QuantSpec)
     if spec.prescale == 1:
         top = encode(amax_bits, exponent, fmt, _nearest(spec))
     else:
-        prescaled = _prescaled_bits(amax_bits[:, None], exponent, finite, spec)[:, 0]
-        top = encode(prescaled, 0, fmt, _nearest(spec))
+        top = encode(_prescaled_bits(amax_bits, exponent, finite, spec), 0, fmt, _nearest(spec))
     nonzero = finite & ((top & MAGNITUDE_MASK[fmt.name]) > 0)
     return exponent, finite, nonzero
 
 
 def _prescaled(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
-    """prescale * x / 2^e as float32, as quantize_mx forms it: its exact _mul_pow2, then one multiply."""
-    v = lax.bitcast_convert_type(jnp.where(finite[:, None], bits, 0), jnp.float32)
-    scaled = _mul_pow2(v, -exponent[:, None])
+    """prescale * x / 2^e as float32, as quantize_mx forms it: its exact _mul_pow2, then one multiply.
+
+    exponent and finite broadcast against bits (per element, or per block with a trailing axis)."""
+    v = lax.bitcast_convert_type(jnp.where(finite, bits, 0), jnp.float32)
+    scaled = _mul_pow2(v, -exponent)
     return scaled * jnp.float32(spec.prescale) if spec.prescale != 1 else scaled
 
 
@@ -177,23 +181,45 @@ def _prescaled_bits(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
 
 
 def _nearest(spec: QuantSpec) -> str:
-    # A stochastic block is non-zero iff its max rounds up or is above the first grid point; only the
-    # XLA path reaches here with stochastic, and it recomputes non-zero-ness from the codes instead.
+    # A stochastic block is non-zero iff some element rounds up or lies above the first grid point: not
+    # known from its maximum alone, so callers recompute non-zero-ness from the codes (rounded_nonzero).
     return "nearest_even" if spec.rounding == "stochastic" else spec.rounding
 
 
-def quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, key=None, bits_shape=None):
-    """Codes (R, bs) int32 with sign, block exponents (R,), finite (R,), non-zero (R,)."""
+def quantize_tile(v: jax.Array, fmt: ElemFormat, spec: QuantSpec, random_bits=None):
+    """Codes (R, bs) int32 with sign, block exponents (R,), finite (R,), non-zero (R,).
+
+    random_bits (stochastic rounding): uint32, one per element of v in v's row-major order."""
     bits, exponent, finite, nonzero = block_info(v, fmt, spec)
+    if random_bits is not None:
+        random_bits = random_bits.reshape(bits.shape)
+    codes = encode_elements(bits, exponent[:, None], finite[:, None], fmt, spec, random_bits)
     if spec.rounding == "stochastic":
-        codes = _stochastic_codes(bits, exponent, finite, fmt, spec, key, bits_shape)
-        nonzero = finite & (jnp.max(codes & MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
-    elif spec.prescale != 1:  # XLA path only: the value is rounded once by the multiply, then encoded
+        nonzero = rounded_nonzero(codes, finite, fmt)
+    return codes, exponent, finite, nonzero
+
+
+def encode_elements(bits, exponent, finite, fmt: ElemFormat, spec: QuantSpec, random_bits=None):
+    """Codes (with sign) of float32 `bits` in blocks of exponent `exponent`, +0 in non-finite blocks.
+
+    The one element step of every implementation, each rounding as quantize_mx rounds: nearest modes on
+    the integer significand (`encode_nearest`); with a prescale, quantize_mx's multiply, then the encoding
+    of that float32; stochastic, quantize_mx's own float formulation (quantize.round_to_grid) with
+    `random_bits` (uint32 shaped like bits: the bits quantize.stochastic_bits draws for these elements).
+    exponent and finite broadcast against bits.
+    """
+    if spec.rounding == "stochastic":
+        codes = _stochastic_codes(bits, exponent, finite, fmt, spec, random_bits)
+    elif spec.prescale != 1:  # the value is rounded once by the multiply, then encoded
         codes = encode(_prescaled_bits(bits, exponent, finite, spec), 0, fmt, spec.rounding)
     else:
-        codes = encode_nearest(bits, exponent[:, None], fmt, spec)
-    codes = jnp.where(finite[:, None], codes, 0)
-    return codes, exponent, finite, nonzero
+        codes = encode_nearest(bits, exponent, fmt, spec)
+    return jnp.where(finite, codes, 0)
+
+
+def rounded_nonzero(codes: jax.Array, finite: jax.Array, fmt: ElemFormat) -> jax.Array:
+    """Per block (codes' last axis): finite and some element's code non-zero in magnitude."""
+    return finite & (jnp.max(codes & MAGNITUDE_MASK[fmt.name], axis=-1) > 0)
 
 
 def encode_nearest(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, spec: QuantSpec) -> jax.Array:
@@ -203,10 +229,12 @@ def encode_nearest(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, spec: 
     return encode(bits, exponent, fmt, spec.rounding)
 
 
-def _stochastic_codes(bits, exponent, finite, fmt, spec, key, bits_shape):
-    """quantize.py's own float formulation, with its random bits drawn over the reference's shape."""
-    abs_scaled = jnp.abs(_prescaled(bits, exponent, finite, spec)).reshape(bits_shape)
-    magnitude = round_to_grid(abs_scaled, fmt, "stochastic", key).reshape(bits.shape)
+def _stochastic_codes(bits, exponent, finite, fmt, spec, random_bits):
+    """quantize.py's own float formulation, on the random bits the reference draws for these elements."""
+    if random_bits is None:
+        raise ValueError("rounding='stochastic' needs random bits: pass the key to rotate_quantize")
+    abs_scaled = jnp.abs(_prescaled(bits, exponent, finite, spec))
+    magnitude = round_to_grid(abs_scaled, fmt, "stochastic", random_bits=random_bits)
     return _encode_grid_value(magnitude, bits, fmt)
 
 
