@@ -35,7 +35,7 @@ import statistics
 import time
 import tomllib
 
-from fp4jax.study import runner, runs
+from fp4jax.study import runner, runs, stats
 
 __all__ = [
     "DESIGNS",
@@ -72,9 +72,6 @@ KILL_AFTER_S = 60  # a run that has not exited this long after SIGTERM is killed
 MIN_START_MINUTES = 3.0  # an over-long run is started on an idle machine only with this much left
 RESUME_OVERHEAD_MINUTES = 1.0  # a resumed run's start-up and compile
 BACKEND_ENV = "FP4JAX_GEMM_BACKEND"
-# Student t 0.975 quantiles by degrees of freedom (the gate's interval; 30+ uses 30's).
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-T975.update({10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,10 +429,6 @@ def local_slope(evals_by_seed: list[list[list]], last_fraction: float = 0.5) -> 
     return -slope
 
 
-def t975(df: int) -> float:
-    return T975[max(k for k in T975 if k <= df)] if df >= 1 else math.inf
-
-
 def gate_result(root: str, stage: Stage) -> dict:
     """The calibration gate of a stage (stage.gate: arm, against, last_evals, smallest_overhead, sigmas).
 
@@ -470,6 +463,7 @@ def gate_result(root: str, stage: Stage) -> dict:
         return result
     diffs = [a[s] - b[s] for s in seeds]
     mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    half = stats.t_quantile(n - 1, level=0.95) * sd / math.sqrt(n)
     slope = local_slope(evals[gate["against"]])
     unpaired = {
         arm: statistics.stdev([loss[arm][s] for s in seeds]) for arm in (gate["arm"], gate["against"])
@@ -479,7 +473,7 @@ def gate_result(root: str, stage: Stage) -> dict:
         mean_difference=mean,
         paired_sd=sd,
         unpaired_sd=unpaired,
-        ci95=[mean - t975(n - 1) * sd / math.sqrt(n), mean + t975(n - 1) * sd / math.sqrt(n)],
+        ci95=[mean - half, mean + half],
         slope=slope,
     )
     if slope is None or slope <= 0:
