@@ -170,3 +170,10 @@ def test_arm_runs_only_the_named_arms_and_an_unknown_arm_is_one_line(tiny_plan, 
     assert not plan.gate_result(root, tiny_plan.stage("gate"))["complete"]  # arm a is still to run
     with pytest.raises(ValueError, match=r"--arm c: not an arm of these stages; use a, b"):
         plan.run_plan(tiny_plan, root, budget_minutes=5, arms=["c"], log=lambda line: None)
+
+
+def test_the_plans_back_ends_and_their_variable_are_the_trainers():
+    from fp4jax.ops import BACKENDS
+    from fp4jax.training.setup import GEMM_BACKEND_ENV
+
+    assert sorted(plan.BACKENDS) == sorted(BACKENDS) and plan.BACKEND_ENV == GEMM_BACKEND_ENV

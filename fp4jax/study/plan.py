@@ -66,12 +66,14 @@ STAGE_KEYS = {
 }
 REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"}
 GATE_KEYS = {"arm", "against", "last_evals", "smallest_overhead", "sigmas"}
+# The trainer's back ends and the variable that picks one (fp4jax.ops.BACKENDS, training.setup's
+# GEMM_BACKEND_ENV; tested equal), restated so that planning imports neither the ops nor the trainer.
 BACKENDS = ("auto", "emulate", "fp8", "native")
 STOP_MARGIN_S = 60  # stop runs this long before the budget ends: they save a checkpoint and exit
 KILL_AFTER_S = 60  # a run that has not exited this long after SIGTERM is killed
 MIN_START_MINUTES = 3.0  # an over-long run is started on an idle machine only with this much left
 RESUME_OVERHEAD_MINUTES = 1.0  # a resumed run's start-up and compile
-BACKEND_ENV = "FP4JAX_GEMM_BACKEND"
+BACKEND_ENV = "FP4JAX_GEMM_BACKEND"  # see BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,11 +255,8 @@ def measured_minutes(root: str, stage: Stage) -> dict[str, float]:
     walls: dict[str, list[float]] = {}
     for spec in stage_specs(stage):
         directory = spec.directory(stage_root(root, stage))
-        record = runs.read_json(os.path.join(directory, "ladder_run.json"))
-        if record and runs.status_of(runs.read_json(runs.summary_path(directory))) in (
-            "reached",
-            "not_reached",
-        ):
+        record = runs.read_json(os.path.join(directory, runs.RECORD_FILE))
+        if record and runs.status_of(runs.read_json(runs.summary_path(directory))) in runs.FINISHED:
             total = sum(h.get("wall_time_s") or 0.0 for h in record.get("history", []))
             walls.setdefault(spec.rung.name, []).append(total / 60)
     return {arm: statistics.median(w) for arm, w in walls.items()}
@@ -404,7 +403,7 @@ def _finish(job: runner.Job, code: int, info: dict, *, budget_stopped: bool) -> 
 def primary_loss(summary: dict | None, last_evals: int) -> float | None:
     """The primary metric of a run: the mean eval loss of its last `last_evals` periodic evaluations (None
     for a run without a final status or with fewer evaluations)."""
-    if runs.status_of(summary) not in ("reached", "not_reached"):
+    if runs.status_of(summary) not in runs.FINISHED:
         return None
     evals = summary.get("evals") or []
     if len(evals) < last_evals:
