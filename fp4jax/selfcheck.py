@@ -75,14 +75,11 @@ def versions() -> dict[str, str]:
 def available_backends(desc: DeviceDescription) -> list[str]:
     """The back ends worth running on this device (emulate always; the others where hardware backs them,
     and all of them on CPU, where XLA computes FP8 and scaled dots exactly in float32)."""
-    found = ["emulate"]
-    major = int(re.match(r"\d*", desc.arch).group(0) or 0) if desc.vendor == "nvidia" else 0
-    if desc.vendor == "cpu" or major >= 9 or desc.arch in ("gfx942", "gfx950"):
-        found.append("fp8")
-    native_hw = desc.vendor == "cpu" or major >= 10 or desc.arch == "gfx950"
-    if native_hw and scaled_dot_compile_error() is None:
-        found.append("native")
-    return found
+    order = ("emulate", "fp8", "native")  # each back end's hardware can also run the ones before it
+    best = choose_backend(desc).backend if desc.vendor != "cpu" else "native"  # the dispatch table's pick
+    if best == "native" and scaled_dot_compile_error() is not None:
+        best = "fp8"
+    return list(order[: order.index(best) + 1])
 
 
 # ----------------------------------------------------------------------------------------------------
