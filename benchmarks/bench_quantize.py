@@ -8,8 +8,8 @@ For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: the fp8 back end's
 folded operand, E4M3 + int32 row exponents), it times
 
-  reference  what quantized_dot runs today: rotation.rotate_blocks (a float32 matmul), quantize_mx,
-             and fold_mx_to_fp8 for fp8_fold (the column layout swaps axes first),
+  reference  what quantized_dot runs where Pallas does not: rotation.rotate_blocks (a float32 matmul),
+             quantize_mx, and fold_mx_to_fp8 for fp8_fold (the column layout swaps axes first),
   xla        fused_quantize's XLA formulation,
   pallas     fused_quantize's Triton kernels (under one KernelConfig: the default, or --tiles),
 

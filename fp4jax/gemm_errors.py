@@ -51,6 +51,7 @@ from flax import traverse_util
 from fp4jax import xla_flags
 from fp4jax.models.llama import Llama, LlamaConfig, block_segments, unstack_layer_params
 from fp4jax.ops import (
+    GEMMS,
     GemmSpec,
     QuantDotGeneral,
     QuantSpec,
@@ -88,7 +89,6 @@ __all__ = [
     "summarize",
 ]
 
-GEMMS = ("fprop", "dgrad", "wgrad")
 GEMM_INDEX = {g: i for i, g in enumerate(GEMMS)}  # mx_dot_general folds its key with this per GEMM
 OPERAND_NAMES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
 OUTPUT_NAMES = {"fprop": "y", "dgrad": "dx", "wgrad": "dW"}

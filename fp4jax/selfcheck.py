@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -33,6 +31,7 @@ import numpy as np
 
 from fp4jax.ops import (
     BACKENDS,
+    GEMMS,
     PRESETS,
     DeviceDescription,
     choose_backend,
@@ -76,14 +75,11 @@ def versions() -> dict[str, str]:
 def available_backends(desc: DeviceDescription) -> list[str]:
     """The back ends worth running on this device (emulate always; the others where hardware backs them,
     and all of them on CPU, where XLA computes FP8 and scaled dots exactly in float32)."""
-    found = ["emulate"]
-    major = int(re.match(r"\d*", desc.arch).group(0) or 0) if desc.vendor == "nvidia" else 0
-    if desc.vendor == "cpu" or major >= 9 or desc.arch in ("gfx942", "gfx950"):
-        found.append("fp8")
-    native_hw = desc.vendor == "cpu" or major >= 10 or desc.arch == "gfx950"
-    if native_hw and scaled_dot_compile_error() is None:
-        found.append("native")
-    return found
+    order = ("emulate", "fp8", "native")  # each back end's hardware can also run the ones before it
+    best = choose_backend(desc).backend if desc.vendor != "cpu" else "native"  # the dispatch table's pick
+    if best == "native" and scaled_dot_compile_error() is not None:
+        best = "fp8"
+    return list(order[: order.index(best) + 1])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -181,7 +177,7 @@ def check_gemms(
         errors = [np.abs(o - r).max() / max(np.abs(r).max(), 1e-30) for o, r in pairs]
         agree = all(np.isfinite(errors)) and max(errors) <= bound
         ok &= agree
-        detail = ", ".join(f"{n} {e:.2e}" for n, e in zip(("fprop", "dgrad", "wgrad"), errors, strict=True))
+        detail = ", ".join(f"{n} {e:.2e}" for n, e in zip(GEMMS, errors, strict=True))
         print(f"{line}  max rel. error vs emulate: {detail}  (bound {bound:.0e}) {_verdict(agree)}")
         if on_gpu and backend == "native":
             text = fn.lower(x, w, dy).compile().as_text()
@@ -215,13 +211,9 @@ def tiny_config(recipe: str, steps: int):
 
 
 def training_losses(workdir: str) -> list[float]:
-    losses = []
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if "loss" in record and "eval_loss" not in record:
-                losses.append(float(record["loss"]))
-    return losses
+    from fp4jax.training.metrics import read_metrics, train_records
+
+    return [float(r["loss"]) for r in train_records(read_metrics(workdir))]
 
 
 def check_training(recipe: str, steps: int) -> bool:

@@ -8,8 +8,9 @@ import pytest
 
 import fp4jax.data.cache as cache
 from fp4jax.data import DataError, default_data_config, load_tokenizer, make_train_iterator
+from fp4jax.data.assets import BUNDLED_DATA_DIR
 from fp4jax.data.cache import load_token_stream
-from fp4jax.data.sources import BUNDLED_DATA_DIR, json_sources, train_files
+from fp4jax.data.sources import json_sources, train_files
 
 SMALL = "c4-train.00001-of-00002.json.gz"  # 200 documents, 91,120 GPT-2 tokens
 

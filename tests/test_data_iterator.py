@@ -15,7 +15,7 @@ from fp4jax.data import (
     make_eval_batches,
     make_train_iterator,
 )
-from fp4jax.data.sources import BUNDLED_DATA_DIR
+from fp4jax.data.assets import BUNDLED_DATA_DIR
 
 T = 100  # seq_len of the synthetic stream: tokens 0..10_000 give W = 100 windows, window i starts at i*T
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from fp4jax.data import DataError
+from fp4jax.data.assets import BUNDLED_DATA_DIR
 from fp4jax.data.sources import (
-    BUNDLED_DATA_DIR,
     ReadStats,
     eval_files,
     expand_braces,

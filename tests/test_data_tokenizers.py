@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fp4jax.data import DataError, load_tokenizer
-from fp4jax.data.sources import BUNDLED_DATA_DIR
+from fp4jax.data.assets import BUNDLED_DATA_DIR
 from fp4jax.data.tokenizers import LLAMA3_ENV, MAX_RUN
 
 # c4_en_sample/SOURCE.md: GPT-2 tokens per file, encode_ordinary of each text, no EOD.

@@ -277,3 +277,12 @@ def test_params_restore_from_a_trainer_checkpoint(tmp_path, tiny):
         jax.tree.map(np.testing.assert_array_equal, restored, params)
     with pytest.raises(diagnose.UsageError, match="no checkpoint"):
         diagnose.restore_params(str(tmp_path))
+
+
+def test_the_study_reads_the_gemm_names_the_probe_writes():
+    """One list of GEMM names: the Recipe's fields in Recipe.gemms order, the probe's keys, the study's."""
+    from fp4jax.study import analysis
+
+    recipe = get_recipe("mxfp4_fprop_dgrad")  # fprop and dgrad MXFP4, wgrad FP8: the order shows
+    assert tuple(getattr(recipe, g) for g in diag.GEMMS) == recipe.gemms
+    assert analysis.GEMMS == diag.GEMMS == ("fprop", "dgrad", "wgrad")

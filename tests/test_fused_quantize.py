@@ -1,7 +1,7 @@
 """fused_quantize equals the reference path bit for bit: rotate, quantize_mx, fold_mx_to_fp8.
 
-The reference path is the one quantized_dot runs today, with the rotation defined once
-(fused_quantize.hadamard_rotate, checked here against float64 and against rotation.rotate_blocks).
+The reference path is what quantized_dot runs wherever the Pallas kernels do not, with the rotation
+defined once (fused_quantize.hadamard_rotate, checked here against float64 and rotation.rotate_blocks).
 Pallas kernels run in interpret mode on CPU; their lowering to Triton IR is checked without a GPU.
 """
 

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "fp4jax"
 MIN_LINES = 6
 
-# Repeats known today, as (file, file) pairs relative to the repository; each flips (strict xfail) when
+# Known repeats, as (file, file) pairs relative to the repository; each flips (strict xfail) when
 # it is gone, and then its line goes.
 KNOWN = set()
 

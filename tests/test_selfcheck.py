@@ -40,6 +40,27 @@ def test_gemm_operand_types_of_a_real_compiled_program():
     assert selfcheck.gemm_operand_types(jax.jit(dot).lower(a, a).compile().as_text()) in (["bf16"], ["f32"])
 
 
+@pytest.mark.parametrize(
+    "vendor, arch, native, expected",
+    [
+        ("nvidia", "8.0", None, ["emulate"]),  # Ampere: no FP8 tensor cores
+        ("nvidia", "9.0", None, ["emulate", "fp8"]),  # Hopper
+        ("nvidia", "10.0", None, ["emulate", "fp8", "native"]),  # Blackwell, scaled_dot compiles
+        ("nvidia", "10.0", "no scaled_dot here", ["emulate", "fp8"]),
+        ("amd", "gfx90a", None, ["emulate"]),  # MI250
+        ("amd", "gfx942", None, ["emulate", "fp8"]),  # MI300
+        ("amd", "gfx950", None, ["emulate", "fp8", "native"]),  # MI355X
+        ("cpu", "", None, ["emulate", "fp8", "native"]),  # XLA computes every one exactly on CPU
+        ("cpu", "", "no scaled_dot here", ["emulate", "fp8"]),
+    ],
+)
+def test_the_backends_worth_checking_follow_the_hardware(monkeypatch, vendor, arch, native, expected):
+    monkeypatch.setattr(selfcheck, "scaled_dot_compile_error", lambda: native)
+    monkeypatch.setattr("fp4jax.ops.kernels.probes.scaled_dot_compile_error", lambda: native)
+    desc = selfcheck.DeviceDescription(vendor, "a device", arch)
+    assert selfcheck.available_backends(desc) == expected
+
+
 def test_selfcheck_passes_here(capsys):
     """On the CPU lane `auto` is emulate; on a GPU lane whatever the dispatch table gives that device."""
     code = selfcheck.main(["--small", "--train-steps", "6"])

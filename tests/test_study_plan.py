@@ -103,6 +103,26 @@ def test_a_second_call_runs_nothing_and_the_gate_reads_the_runs(tiny_plan, tmp_p
     assert gate["paired_sd_max"] == pytest.approx(0.1 * math.log(1.05) * math.sqrt(2) / 2)
 
 
+def test_the_gates_interval_is_the_t_interval_of_the_paired_differences(tiny_plan, tmp_path):
+    """Two seeds whose differences are 0.01 and 0.03 nats: the interval is mean +- t(0.975, 1 df) x sd /
+    sqrt(2), with the quantile of 1 df in closed form (the Cauchy's: tan(0.475 pi) = 12.7062...)."""
+    stage = tiny_plan.stage("gate")
+    offsets = {("a", 0): 0.0, ("a", 1): 0.0, ("b", 0): 0.01, ("b", 1): 0.03}
+    for spec in plan.stage_specs(stage):
+        directory = spec.directory(plan.stage_root(str(tmp_path), stage))
+        os.makedirs(directory)
+        extra = offsets[(spec.rung.name, spec.seed)]
+        evals = [[s, s, 1000 * s, 5 - math.log(1000 * s) / 10 + extra] for s in (1, 2, 3, 4)]
+        runs.write_json(runs.summary_path(directory), {"status": "not_reached", "steps": 4, "evals": evals})
+    gate = plan.gate_result(str(tmp_path), stage)
+    sd = 0.02 / math.sqrt(2)
+    half = math.tan(0.475 * math.pi) * sd / math.sqrt(2)
+    assert gate["mean_difference"] == pytest.approx(0.02) and gate["paired_sd"] == pytest.approx(sd)
+    assert gate["ci95"] == pytest.approx([0.02 - half, 0.02 + half], rel=1e-9)
+    assert gate["token_ratio_ci95"] == pytest.approx([math.exp(x / 0.1) for x in gate["ci95"]])
+    assert not gate["passed"]  # sd 0.0141 > the 0.0035 nats that 5 % tokens allow at 2 seeds
+
+
 def test_the_budget_stops_a_run_with_a_checkpoint_and_the_next_call_resumes_it(
     tiny_plan, tmp_path, monkeypatch
 ):
@@ -267,3 +287,10 @@ def test_the_committed_plan_shares_runs_between_its_stages():
         for k in (0, 1, 2)
     ]
     assert shared == sorted(want)
+
+
+def test_the_plans_back_ends_and_their_variable_are_the_trainers():
+    from fp4jax.ops import BACKENDS
+    from fp4jax.training.setup import GEMM_BACKEND_ENV
+
+    assert sorted(plan.BACKENDS) == sorted(BACKENDS) and plan.BACKEND_ENV == GEMM_BACKEND_ENV

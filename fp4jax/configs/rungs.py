@@ -52,7 +52,7 @@ RUNGS: dict[str, str] = {
     "h16_wgrad_only": "mxfp4_full_h16_wgrad_only",
 }
 
-# The LR-sensitivity sweep's recipes (issue: fp8, fprop, fprop+dgrad, full, full+SR, full+RHT, full+H16).
+# The LR-sensitivity sweep's recipes: fp8, fprop, fprop+dgrad, full, full+SR, full+RHT, full+H16.
 PROXY_RECIPES = (
     "fp8_mlperf",
     "mxfp4_fprop",
@@ -66,8 +66,8 @@ PROXY_STEPS = 1000
 # Single-GPU set-ups save the projections' outputs and cuDNN attention's forward outputs instead of
 # recomputing every block: on one H200 the 1B step ran 14 % faster in bf16 and 10 % in FP8 with "minimal"
 # than with "full", and "minimal_attention" another 2.4 % in bf16 (seq 2048, side by side; 8.1 % at seq
-# 8192, across two calls) for 2.2 GB more memory (docs/performance.md). The 8B set-up keeps the model's
-# default ("full") for its sequences of 8192.
+# 8192, across two calls) for 2.2 GB more memory (docs/performance.md, docs/changelog.md). The 8B set-up
+# keeps the model's default ("full") for its sequences of 8192.
 SMALL_MODEL_REMAT = "minimal_attention"
 # They also compile every block inline (scan_layers=False) instead of one block in a loop: the loop's
 # step spends about 20 ms of 0.47 s in memcpy kernels, presumably the copies of each block's saved

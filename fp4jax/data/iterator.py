@@ -19,7 +19,15 @@ from fp4jax.data.errors import DataError
 from fp4jax.data.packing import TokenStream, make_batch, num_windows
 from fp4jax.data.tokenizers import Tokenizer, load_tokenizer
 
-__all__ = ["STATE_VERSION", "TrainIterator", "check_sharding", "make_eval_batches", "make_train_iterator"]
+__all__ = [
+    "EVAL_SELECTIONS",
+    "STATE_VERSION",
+    "TrainIterator",
+    "check_sharding",
+    "eval_window_ids",
+    "make_eval_batches",
+    "make_train_iterator",
+]
 
 STATE_VERSION = 1
 _CHECKED_STATE = ("seed", "seq_len", "windows_per_epoch", "shuffle")

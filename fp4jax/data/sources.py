@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from fp4jax.data.assets import ASSETS_DIR, BUNDLED_DATA_DIR, first_line  # noqa: F401 (re-exported)
+from fp4jax.data.assets import BUNDLED_DATA_DIR, first_line
 from fp4jax.data.errors import DataError
 
 __all__ = [

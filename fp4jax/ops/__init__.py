@@ -56,6 +56,7 @@ from fp4jax.ops.quantized_dot import (
 )
 from fp4jax.ops.recipes import (
     BACKENDS,
+    GEMMS,
     PRESETS,
     QUANTIZERS,
     GemmSpec,
@@ -70,6 +71,7 @@ from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
 __all__ = [
     "BACKENDS",
     "ELEM_FORMATS",
+    "GEMMS",
     "PRESETS",
     "QUANTIZERS",
     "BackendChoice",

@@ -25,6 +25,7 @@ __all__ = [
     "BACKENDS",
     "FP8_SCALINGS",
     "FP8_SCALING_MODES",
+    "GEMMS",
     "H16",
     "H32",
     "MLPERF_FP8_AMAX_ALGO",
@@ -253,6 +254,7 @@ def _recipe(name: str, **gemms: GemmSpec) -> Recipe:
 # The MLPerf llama3.1_8b reference's FP8 (NeMo MegatronMixedPrecision: fp8="hybrid",
 # fp8_amax_history_len=4, fp8_amax_compute_algo="most_recent"): Transformer Engine's hybrid format
 # (E4M3 forward, E5M2 gradients) with delayed scaling over a 4-step history, scaled by the newest amax.
+GEMMS = ("fprop", "dgrad", "wgrad")  # a Recipe's three GemmSpec fields, in Recipe.gemms order
 MLPERF_FP8_HISTORY_LEN = 4
 MLPERF_FP8_AMAX_ALGO = "most_recent"
 
@@ -261,7 +263,7 @@ _FULL = dict(fprop=_mxfp4_gemm(), dgrad=_mxfp4_gemm(), wgrad=_mxfp4_gemm())
 
 
 def _rotated(rotation: RotationSpec) -> dict[str, GemmSpec]:
-    return {stage: _mxfp4_gemm(rotation) for stage in ("fprop", "dgrad", "wgrad")}
+    return {stage: _mxfp4_gemm(rotation) for stage in GEMMS}
 
 
 # The literature's recipes in MXFP4 (docs/numerics.md, "Recipes of the literature"). Tseng et al. 2025
@@ -347,7 +349,7 @@ def with_fp8_scaling(recipe: str | Recipe, mode: str) -> Recipe:
 
     gemms = {
         stage: dataclasses.replace(g, lhs=spec(g.lhs), rhs=spec(g.rhs))
-        for stage, g in zip(("fprop", "dgrad", "wgrad"), recipe.gemms, strict=True)
+        for stage, g in zip(GEMMS, recipe.gemms, strict=True)
     }
     history = dict(fp8_amax_history_len=MLPERF_FP8_HISTORY_LEN, fp8_amax_compute_algo=MLPERF_FP8_AMAX_ALGO)
     return dataclasses.replace(recipe, **gemms, **(history if mode == "delayed" else {}))

@@ -39,6 +39,7 @@ __all__ = [
     "analyze",
     "crossing",
     "diagnostics",
+    "first_probed",
     "group_stats",
     "load_run",
     "load_runs",
@@ -51,6 +52,7 @@ __all__ = [
     "speedup",
 ]
 
+# The probe's GEMM names, fp4jax.ops.GEMMS (tested equal): the study reads metrics without the ops.
 GEMMS = ("fprop", "dgrad", "wgrad")
 OUTCOMES = ("reached", "not_reached", "diverged", "failed", "unfinished")
 SELF = {"token_overhead": 0.0, "token_overhead_se": None, "relative_se": None, "paired": None}
@@ -101,6 +103,11 @@ def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Stu
         directory=run_dir,
         diagnostics=diagnostics(records),
     )
+
+
+def first_probed(group: dict) -> dict | None:
+    """The first run (seed order) of a report group whose diagnostics probe ran, else None."""
+    return next((r for r in group["runs"] if r.get("diagnostics")), None)
 
 
 def diagnostics(records: list[dict]) -> dict | None:
@@ -172,7 +179,7 @@ def outcome(run: StudyRun, target: float) -> str:
         return "unfinished"
     if crossing(run.evals, target) is not None:
         return "reached"
-    return "not_reached" if run.status in ("reached", "not_reached") else run.status
+    return "not_reached" if run.status in runs.FINISHED else run.status
 
 
 def run_row(run: StudyRun, target: float) -> dict:
@@ -212,7 +219,7 @@ def group_stats(rows: list[dict]) -> dict:
     """Seed statistics of one (rung, lr): counts of each outcome, tokens to target, throughput, final loss."""
     reached = [r for r in rows if r["outcome"] == "reached"]
     ttt_mean, ttt_sd = mean_sd([r["tokens_to_target"] for r in reached])
-    finals = [r["final_eval_loss"] for r in rows if r["outcome"] in ("reached", "not_reached")]
+    finals = [r["final_eval_loss"] for r in rows if r["outcome"] in runs.FINISHED]
     final_mean, final_sd = mean_sd([f for f in finals if f is not None])
     intervals = sorted({r["crossing"]["interval"] for r in reached})
     rates = [r["tokens_per_s"] for r in rows if r["tokens_per_s"]]

@@ -42,7 +42,7 @@ import statistics
 import time
 import tomllib
 
-from fp4jax.study import branching, runner, runs
+from fp4jax.study import branching, runner, runs, stats
 
 __all__ = [
     "DESIGNS",
@@ -75,15 +75,14 @@ STAGE_KEYS = {
 } | branching.KEYS
 REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"} - branching.KEYS
 GATE_KEYS = {"arm", "against", "last_evals", "smallest_overhead", "sigmas"}
+# The trainer's back ends and the variable that picks one (fp4jax.ops.BACKENDS, training.setup's
+# GEMM_BACKEND_ENV; tested equal), restated so that planning imports neither the ops nor the trainer.
 BACKENDS = ("auto", "emulate", "fp8", "native")
 STOP_MARGIN_S = 60  # stop runs this long before the budget ends: they save a checkpoint and exit
 KILL_AFTER_S = 60  # a run that has not exited this long after SIGTERM is killed
 MIN_START_MINUTES = 3.0  # an over-long run is started on an idle machine only with this much left
 RESUME_OVERHEAD_MINUTES = 1.0  # a resumed run's start-up and compile
-BACKEND_ENV = "FP4JAX_GEMM_BACKEND"
-# Student t 0.975 quantiles by degrees of freedom (the gate's interval; 30+ uses 30's).
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-T975.update({10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042})
+BACKEND_ENV = "FP4JAX_GEMM_BACKEND"  # see BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,16 +276,9 @@ def measured_minutes(root: str, stage: Stage) -> dict[str, float]:
     walls: dict[str, list[float]] = {}
     for spec in stage_specs(stage):
         directory = spec.directory(stage_root(root, stage))
-        record = runs.read_json(os.path.join(directory, "ladder_run.json"))
-        if (
-            record
-            and "reused_from" not in record
-            and runs.status_of(runs.read_json(runs.summary_path(directory)))
-            in (
-                "reached",
-                "not_reached",
-            )
-        ):
+        record = runs.read_json(os.path.join(directory, runs.RECORD_FILE))
+        status = runs.status_of(runs.read_json(runs.summary_path(directory)))
+        if record and "reused_from" not in record and status in ("reached", "not_reached"):
             total = sum(h.get("wall_time_s") or 0.0 for h in record.get("history", []))
             walls.setdefault(spec.rung.name, []).append(total / 60)
     return {arm: statistics.median(w) for arm, w in walls.items()}
@@ -476,14 +468,14 @@ def reuse_earlier_run(plan: Plan, root: str, stage: Stage, spec, overrides: list
     if found is None:
         return False
     label, source = found
-    origin = (runs.read_json(os.path.join(source, "ladder_run.json")) or {}).get("reused_from", label)
+    origin = (runs.read_json(os.path.join(source, runs.RECORD_FILE)) or {}).get("reused_from", label)
     os.makedirs(directory, exist_ok=True)
     for name in REUSED_FILES:
         if os.path.exists(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
     record = {"rung": spec.rung.name, "seed": spec.seed, "lr": spec.lr, "config": spec.rung.config}
     record.update(attempts=0, history=[], reused_from=origin)
-    runs.write_json(os.path.join(directory, "ladder_run.json"), record)
+    runs.write_json(os.path.join(directory, runs.RECORD_FILE), record)
     shutil.copyfile(runs.summary_path(source), runs.summary_path(directory) + ".tmp")
     os.replace(runs.summary_path(directory) + ".tmp", runs.summary_path(directory))
     log(f"study: {stage.name}/{spec.label}: the same run as {origin}, filled from it, not rerun")
@@ -496,7 +488,7 @@ def reuse_earlier_run(plan: Plan, root: str, stage: Stage, spec, overrides: list
 def primary_loss(summary: dict | None, last_evals: int) -> float | None:
     """The primary metric of a run: the mean eval loss of its last `last_evals` periodic evaluations (None
     for a run without a final status or with fewer evaluations)."""
-    if runs.status_of(summary) not in ("reached", "not_reached"):
+    if runs.status_of(summary) not in runs.FINISHED:
         return None
     evals = summary.get("evals") or []
     if len(evals) < last_evals:
@@ -519,10 +511,6 @@ def local_slope(evals_by_seed: list[list[list]], last_fraction: float = 0.5) -> 
     mx, my = statistics.fmean(x), statistics.fmean(y)
     slope = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum((a - mx) ** 2 for a in x)
     return -slope
-
-
-def t975(df: int) -> float:
-    return T975[max(k for k in T975 if k <= df)] if df >= 1 else math.inf
 
 
 def gate_result(root: str, stage: Stage) -> dict:
@@ -559,6 +547,7 @@ def gate_result(root: str, stage: Stage) -> dict:
         return result
     diffs = [a[s] - b[s] for s in seeds]
     mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    half = stats.t_quantile(n - 1, level=0.95) * sd / math.sqrt(n)
     slope = local_slope(evals[gate["against"]])
     unpaired = {
         arm: statistics.stdev([loss[arm][s] for s in seeds]) for arm in (gate["arm"], gate["against"])
@@ -568,7 +557,7 @@ def gate_result(root: str, stage: Stage) -> dict:
         mean_difference=mean,
         paired_sd=sd,
         unpaired_sd=unpaired,
-        ci95=[mean - t975(n - 1) * sd / math.sqrt(n), mean + t975(n - 1) * sd / math.sqrt(n)],
+        ci95=[mean - half, mean + half],
         slope=slope,
     )
     if slope is None or slope <= 0:

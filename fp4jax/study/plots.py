@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from fp4jax.study.analysis import GEMMS, first_probed
+
 __all__ = ["plot_all", "plot_curves", "plot_diagnostics", "plot_lr", "plot_overhead"]
 
 
@@ -100,7 +102,7 @@ def plot_diagnostics(result: dict, path: str) -> None:
     probed = [(g, _first_diag(g)) for g in result["groups"] if _first_diag(g)]
     width = 0.8 / max(len(probed), 1)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for col, gemm in enumerate(("fprop", "dgrad", "wgrad")):
+    for col, gemm in enumerate(GEMMS):
         top, bottom = axes[0][col], axes[1][col]
         for i, (g, d) in enumerate(probed):
             if gemm in d["out_rel_err"]:
@@ -117,7 +119,8 @@ def plot_diagnostics(result: dict, path: str) -> None:
 
 
 def _first_diag(g: dict) -> dict | None:
-    return next((r["diagnostics"] for r in g["runs"] if r.get("diagnostics")), None)
+    run = first_probed(g)
+    return run and run["diagnostics"]
 
 
 def _save(fig, path: str) -> None:

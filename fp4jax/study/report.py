@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from fp4jax.study.analysis import GEMMS, first_probed
+
 __all__ = [
     "SEED_OUTCOMES",
     "diagnostics_table",
@@ -118,11 +120,11 @@ def diagnostics_table(groups: list[dict]) -> list[str]:
     head = "| rung | seed | last probed step | Fprop | Dgrad | Wgrad | probe overhead (run) | probe (steps) |"
     lines = [head, "|" + "---|" * 8]
     for g in groups:
-        run = next((r for r in g["runs"] if r.get("diagnostics")), None)
+        run = first_probed(g)
         if run is None:
             continue
         d = run["diagnostics"]
-        errs = [_num(d["out_rel_err"].get(gemm, [None])[-1], ".3e") for gemm in ("fprop", "dgrad", "wgrad")]
+        errs = [_num(d["out_rel_err"].get(gemm, [None])[-1], ".3e") for gemm in GEMMS]
         name = g["rung"] if g["lr"] is None else f"{g['rung']} (LR {g['lr']:g})"
         cost = _num(d.get("probe_steps"), ".2f")
         cells = [name, str(run["seed"]), str(d["last_step"]), *errs, _num(d["overhead"], ".2%"), cost]

@@ -236,7 +236,7 @@ def derive(job: Job, code: int, failure: str | None, config_info: dict, wall: fl
 
 
 def record_attempt(job: Job, code: int, wall: float, summary: dict) -> None:
-    path = os.path.join(job.run_dir, "ladder_run.json")
+    path = os.path.join(job.run_dir, runs.RECORD_FILE)
     record = runs.read_json(path) or {"rung": job.spec.rung.name, "attempts": 0, "history": []}
     record.update(seed=job.spec.seed, lr=job.spec.lr, config=job.spec.rung.config, command=job.proc.args)
     record["attempts"] += 1

@@ -18,15 +18,17 @@ import math
 import os
 import re
 
-from fp4jax.training.divergence import LAST_FINITE
+from fp4jax.training.divergence import LAST_FINITE, non_finite
 from fp4jax.training.errors import DIVERGED_EXIT_CODE as DIVERGED_EXIT
-from fp4jax.training.metrics import median_tokens_per_s, read_metrics
-from fp4jax.training.summary import summary_path  # where the trainer writes it: one rule for both
+from fp4jax.training.metrics import median_tokens_per_s, read_metrics, train_records
+from fp4jax.training.summary import FINISHED, summary_path  # the trainer's rules, read back here
 
 __all__ = [
     "DIVERGED_EXIT",
     "FINAL_STATUSES",
+    "FINISHED",
     "OLD_STATUSES",
+    "RECORD_FILE",
     "RUN_FILES",
     "derive_summary",
     "divergence_from_records",
@@ -97,17 +99,13 @@ def evals_from(summary: dict | None, records: list[dict]) -> list[list]:
     return [[r["step"], r.get("sequences"), r["tokens"], r["eval_loss"]] for r in records if "eval_loss" in r]
 
 
-def train_records(records: list[dict]) -> list[dict]:
-    return [r for r in records if "eval_loss" not in r and "loss" in r]
-
-
 def divergence_from_records(records: list[dict]) -> dict | None:
     """{kind, step, value} of the first training line with a non-finite loss or grad_norm (the trainer
     logs the update its guard rejects), None when every logged one is finite."""
     for r in train_records(records):
-        for key, kind in (("loss", "non_finite_loss"), ("grad_norm", "non_finite_grad_norm")):
-            if key in r and not math.isfinite(r[key]):
-                return {"kind": kind, "step": r["step"], "value": r[key]}
+        bad = non_finite(r)
+        if bad is not None:
+            return {"kind": bad[0], "step": r["step"], "value": bad[1]}
     return None
 
 
@@ -170,7 +168,8 @@ def derive_summary(
     }
 
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "ladder_run.json")
+RECORD_FILE = "ladder_run.json"  # the runner's record of a run's attempts
+RUN_FILES = ("metrics.jsonl", "summary.json", RECORD_FILE)
 
 
 def parse_run_path(rel: str) -> tuple[str, float | None, int | None]:

@@ -40,6 +40,7 @@ __all__ = [
     "holm",
     "iso_loss_overhead",
     "loss_spikes",
+    "t_quantile",
     "tokens_to_target",
     "welch",
 ]
@@ -58,6 +59,12 @@ OVERHEAD_KEYS = (  # iso_loss_overhead's numbers, all None when the arm's loss i
     "ci_high",
     "baseline_tokens",
 )
+
+
+def t_quantile(df: float, level: float = LEVEL) -> float:
+    """The Student-t quantile of a two-sided `level` interval with `df` > 0 degrees of freedom (df may be
+    fractional, as Satterthwaite's is): the interval is estimate +- t_quantile(df) x se."""
+    return float(scipy.stats.t.ppf(0.5 + level / 2, df))
 
 
 # ------------------------------------------------------------------------------------ the paired model
@@ -202,7 +209,7 @@ def contrast(fit: AdditiveFit, weights: Mapping[str, float], name: str | None = 
     estimate = float(c @ fit.coef)
     se = math.sqrt(fit.sigma2 * float(c @ fit.xtx_pinv @ c))
     t = estimate / se if se > 0 else math.copysign(math.inf, estimate)
-    half = float(scipy.stats.t.ppf(0.5 + level / 2, fit.df)) * se
+    half = t_quantile(fit.df, level) * se
     return {
         "name": name,
         "weights": dict(weights),
@@ -390,7 +397,7 @@ def iso_loss_overhead(curve: PowerLaw, tokens, delta: float, delta_se: float, de
     var_curve = float(grad_curve @ curve.cov @ grad_curve)
     df = _satterthwaite((var_loss, delta_df), (var_curve, curve.df))
     se = math.sqrt(var_loss + var_curve)
-    half = float(scipy.stats.t.ppf(0.5 + level / 2, df)) * se
+    half = t_quantile(df, level) * se
     return {
         "overhead": rho - 1,
         "token_ratio": rho,

@@ -12,11 +12,20 @@ import collections
 import dataclasses
 import math
 
-__all__ = ["KINDS", "Divergence", "DivergenceGuard", "describe"]
+__all__ = ["KINDS", "LAST_FINITE", "Divergence", "DivergenceGuard", "describe", "non_finite"]
 
 KINDS = ("non_finite_loss", "non_finite_grad_norm", "loss_spike")
 
 LAST_FINITE = 10  # how many (step, loss) pairs the summary reports
+
+
+def non_finite(record: dict) -> tuple[str, float] | None:
+    """(kind, value) for the first non-finite of a metrics line's loss and grad_norm (absent keys are
+    skipped), else None: the guard's rule, and the study's when it reads a run's metrics.jsonl."""
+    for key, kind in (("loss", "non_finite_loss"), ("grad_norm", "non_finite_grad_norm")):
+        if key in record and not math.isfinite(record[key]):
+            return kind, record[key]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +45,9 @@ class DivergenceGuard:
         self.best_mean = saved.get("best_mean")
 
     def check(self, step: int, record: dict) -> Divergence | None:
-        for key, kind in (("loss", "non_finite_loss"), ("grad_norm", "non_finite_grad_norm")):
-            if not math.isfinite(record[key]):
-                return Divergence(kind, step, record[key])
+        bad = non_finite(record)
+        if bad is not None:
+            return Divergence(bad[0], step, bad[1])
         self.recent.append([step, record["loss"]])
         if self.spike_nats <= 0 or len(self.recent) < self.window:
             return None

@@ -20,9 +20,11 @@ __all__ = [
     "MetricsWriter",
     "StepTimer",
     "median_tokens_per_s",
+    "metrics_path",
     "peak_flops_per_device",
     "peak_memory_gb",
     "read_metrics",
+    "train_records",
     "truncate_metrics",
 ]
 
@@ -94,6 +96,11 @@ def peak_memory_gb() -> float | None:
     return max(peaks) / 1e9 if peaks else None
 
 
+def metrics_path(workdir: str) -> str:
+    """<workdir>/metrics.jsonl, where a run's metric lines live (the writer's and every reader's path)."""
+    return os.path.join(workdir, "metrics.jsonl")
+
+
 class MetricsWriter:
     """Appends metric lines to <workdir>/metrics.jsonl and TensorBoard; only process 0 writes."""
 
@@ -102,7 +109,7 @@ class MetricsWriter:
     ):
         """progress_total > 0: also a tqdm bar (stderr) from resume_step to progress_total updates."""
         self.enabled = jax.process_index() == 0
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = metrics_path(workdir)
         self.tb = self.bar = None
         if not self.enabled:
             return
@@ -159,9 +166,14 @@ def truncate_metrics(path: str, last_step: int):
         f.writelines(lines)
 
 
+def train_records(records: list[dict]) -> list[dict]:
+    """The training lines of a run's metric records (not its evaluation lines)."""
+    return [r for r in records if "eval_loss" not in r and "loss" in r]
+
+
 def read_metrics(workdir: str) -> list[dict]:
     """All records of <workdir>/metrics.jsonl; FileNotFoundError naming the file when the run has none."""
-    path = os.path.join(workdir, "metrics.jsonl")
+    path = metrics_path(workdir)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist: train into {workdir} first")
     with open(path, encoding="utf-8") as f:
