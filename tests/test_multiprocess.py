@@ -1,9 +1,13 @@
 """Several jax processes on one machine, through the real command line: 2 processes x 4 CPU devices
-against the 1 x 8 good run, files written once, and a lost process (SIGKILL) reported in one line.
+against the 1 x 8 good run, files written once, a lost process (SIGKILL of process 1 or of the
+coordinator) reported in one line, SIGTERM, a checkpoint file bad for one process only and a full disk on
+one process (every process takes the same decision), and checkpoints continued on another layout
+(2 x 4 -> 4 x 2 -> 2 x 4, 2 x 4 -> 1 x 8). Runs are shared (module fixtures, copies of a finished run).
 
 Each process is `python -m fp4jax.train` (with the byte-level tokenizer of the tiny runs) in the
 environment `fp4jax.launch_local` gives it. Every subprocess has a watchdog (communicate's timeout), so
-a hang fails the test instead of CI.
+a hang fails the test instead of CI (`_wait`'s deadline, the
+waits' timeouts).
 
 Bound on the losses: 2 x 4 sums gradients and amaxes in another order than 1 x 8. Measured on the tiny
 run (fp8_delayed, 6 updates, jax 0.10.2 CPU): the largest relative difference of a logged loss was
