@@ -87,3 +87,35 @@ def test_rocm_container_dry_run():
     out = _run(args, IMAGE="rocm/jax:x")
     assert out.startswith("would run: docker run")
     assert "--device=/dev/kfd" in out and "rocm/jax:x" in out and "fp4jax.selfcheck" in out
+
+
+def test_local_dry_run_two_processes(tmp_path):
+    """launch/local.sh's dry run: one line per process, each with the variables jax.distributed reads (one
+    coordinator for all), its devices (its share of the GPUs, else fake CPU devices) and its log file."""
+    from fp4jax import launch_local
+
+    workdir = tmp_path / "run"
+    out = _run(
+        ["launch/local.sh", "--dry-run", "configs/tiny_c4_h16.py", "--config.steps=3"],
+        NPROC="2",
+        DEVICES_PER_PROCESS="2",
+        WORKDIR=str(workdir),
+        PYTHON=sys.executable,  # the launcher is python; the processes it would start are only printed
+    )
+    lines = [line for line in out.splitlines() if line.startswith("would run:")]
+    assert len(lines) == 2, out
+    platform, gpus = launch_local.gpu_platform()
+    for i, line in enumerate(lines):
+        assert f"JAX_PROCESS_ID={i} " in line and "JAX_NUM_PROCESSES=2 " in line
+        if platform is None:
+            assert "JAX_PLATFORMS=cpu" in line and "--xla_force_host_platform_device_count=2" in line
+        else:
+            share = gpus // 2
+            visible = ",".join(str(d) for d in range(i * share, (i + 1) * share))
+            assert f"{launch_local.GPU_VISIBILITY[platform]}={visible}" in line
+        assert (
+            f" {sys.executable} -m fp4jax.train --config configs/tiny_c4_h16.py --workdir {workdir} "
+            f"--config.steps=3 > {workdir / 'logs' / f'process_{i}.log'} 2>&1"
+        ) in line
+    assert len({line.split("JAX_COORDINATOR_ADDRESS=")[1].split()[0] for line in lines}) == 1
+    assert not workdir.exists()  # nothing started, nothing written

@@ -23,10 +23,9 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from fp4jax.data import DataError
-from fp4jax.training import integrity
+from fp4jax.training import distributed, integrity
 from fp4jax.training.errors import CheckpointError, DiskFullError
 
 __all__ = [
@@ -76,25 +75,55 @@ def save(manager: ocp.CheckpointManager, step: int, state, data_state: dict, met
     """Starts an asynchronous save of step `step` (skipped when that step is already saved).
 
     DiskFullError (one line: the checkpoint, the space it needs) when this or the previous save ran out
-    of space; the failed save's temporary directory is removed and older checkpoints stay intact.
+    of space on any process, raised by every process alike (`_agreed_disk_full`); the failed save's
+    temporary directory is removed and older checkpoints stay intact.
     """
     if step in manager.all_steps():
         return
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)
     )
-    with _disk_full_as_error(manager, state_bytes(state)):
+    needed = state_bytes(state)
+    # The previous save's error first, agreed before any process starts this save's collective part.
+    _agreed_disk_full(manager, needed, manager.wait_until_finished)
+
+    def start():
         manager.save(step, args=args)
         if not manager.is_saving_in_progress():  # finalised: a synchronous save (no callback), or an
             # asynchronous one whose callback has already run (then no manifest is missing)
             _after_finalize(str(manager.directory))
 
+    _agreed_disk_full(manager, needed, start)
+
 
 def finish(manager: ocp.CheckpointManager, state):
     """Waits for the save in flight (its manifest included); DiskFullError as in `save`."""
-    with _disk_full_as_error(manager, state_bytes(state)):
+
+    def wait():
         manager.wait_until_finished()
         _after_finalize(str(manager.directory))
+
+    _agreed_disk_full(manager, state_bytes(state), wait)
+
+
+def _agreed_disk_full(manager, needed_bytes: int, action):
+    """Runs `action` (part of a save); when it ran out of space on any process, every process raises the
+    same DiskFullError: the first such process's line, naming it when there are several. A process that
+    went on while another stopped would wait in the next collective for a peer that never comes."""
+    error = None
+    try:
+        with _disk_full_as_error(manager, needed_bytes):
+            action()
+    except DiskFullError as exc:
+        error = exc
+    lines = distributed.agree("" if error is None else str(error))
+    found = [(i, line) for i, line in enumerate(lines) if line]
+    if not found:
+        return
+    if jax.process_count() == 1:
+        raise error
+    where, line = found[0]
+    raise DiskFullError(f"process {where} of {jax.process_count()}: {line}") from error
 
 
 def state_bytes(state) -> int:
@@ -197,24 +226,12 @@ def restore_newest_good(
     skipped = len(tried)
     while (step := _newest_verified(directory, may_move, tried)) is not None:
         step_dir = os.path.join(directory, str(step))
-        manager.reload()
-        try:
-            state, data_state, meta = restore(manager, abstract_state, step)
-            _check_meta(meta)
-            train_iter.set_state(data_state)
-        except Exception as exc:
-            reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            if integrity.has_manifest(step_dir):
-                if isinstance(exc, ValueError | KeyError):  # verified, so it fits another config
-                    raise CheckpointError(
-                        f"checkpoint {step_dir} is intact but does not fit this run ({reason}); use the "
-                        "config it was written with (model.scan_layers too: it sets the params' layout), "
-                        "or a new --workdir"
-                    ) from exc
-                raise
+        restored, reason = _restore_everywhere(manager, abstract_state, train_iter, step)
+        if restored is None:
             _report_bad(step_dir, f"unverified and unreadable: {reason}", may_move)
             tried.append(step)
             continue
+        state, meta = restored
         if len(tried) > skipped:
             log.warning(f"restored checkpoint {step_dir}, the newest good one")
         return Restored(state, meta, step)
@@ -227,6 +244,39 @@ def restore_newest_good(
     return None
 
 
+def _restore_everywhere(manager, abstract_state, train_iter, step: int):
+    """((state, meta), None) when every process restored `step` (the data iterator set to it), else
+    (None, the first failure's one-line reason), alike on every process (`distributed.agree`). A verified
+    step that fails raises instead: CheckpointError (it fits another config) on every process, or the
+    error itself, with its traceback, on a process where it was not a ValueError or KeyError (a bug)."""
+    step_dir = os.path.join(str(manager.directory), str(step))
+    manager.reload()
+    failure, restored = None, None
+    try:
+        state, data_state, meta = restore(manager, abstract_state, step)
+        _check_meta(meta)
+        train_iter.set_state(data_state)
+        restored = (state, meta)
+    except Exception as exc:
+        failure = exc
+    reason = (
+        "" if failure is None else (str(failure).strip().splitlines() or [type(failure).__name__])[0][:200]
+    )
+    found = [(i, r) for i, r in enumerate(distributed.agree(reason)) if r]
+    if not found:
+        return restored, None
+    where, reason = found[0]
+    reason += f", on process {where}" if jax.process_count() > 1 else ""
+    if not integrity.has_manifest(step_dir):
+        return None, reason
+    if failure is not None and not isinstance(failure, ValueError | KeyError):
+        raise failure
+    raise CheckpointError(
+        f"checkpoint {step_dir} is intact but does not fit this run ({reason}); use the config it was "
+        "written with (model.scan_layers too: it sets the params' layout), or a new --workdir"
+    ) from failure
+
+
 def _check_meta(meta):
     missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
@@ -234,31 +284,32 @@ def _check_meta(meta):
 
 
 def _newest_verified(directory: str, may_move: bool, tried: list[int]) -> int | None:
-    """The newest step not yet tried whose manifest verifies (or that has none: restored unverified).
-    Process 0 reads and decides, every process gets its answer; bad steps are appended to `tried`."""
-    step = -1
-    if jax.process_index() == 0:
-        for s, step_dir in sorted(integrity.step_dirs(directory).items(), reverse=True):
-            if s in tried:
-                continue
-            if not integrity.has_manifest(step_dir):
+    """The newest step not yet tried whose manifest verifies (or that has none: restored unverified); bad
+    steps are appended to `tried`. Every process verifies its share of the step's files and the verdicts
+    are agreed (`distributed.agree`): a file that is bad for one process only makes the step bad for all,
+    so that every process restores the same step (or none). The candidate is process 0's."""
+    index, count = jax.process_index(), jax.process_count()
+    while True:
+        candidates = [s for s in sorted(integrity.step_dirs(directory), reverse=True) if s not in tried]
+        step = int(distributed.agree(str(candidates[0] if candidates else -1))[0])
+        if step < 0:
+            return None
+        step_dir = os.path.join(directory, str(step))
+        if not integrity.has_manifest(step_dir):
+            problem = ""
+            if index == 0:
                 log.warning(
                     f"checkpoint {step_dir} has no manifest (older fp4jax, or stopped before writing it): "
                     "restoring it unverified"
                 )
-                step = s
-                break
-            problem = integrity.verify(step_dir)
-            if problem is None:
-                step = s
-                break
-            _report_bad(step_dir, problem, may_move)
-            tried.append(s)
-    if jax.process_count() > 1:  # process 0's answer, and whether it found bad ones, for everyone
-        step, bad = (int(v) for v in multihost_utils.broadcast_one_to_all(np.int32([step, len(tried)])))
-        tried.extend([-1] * max(0, bad - len(tried)))
-        multihost_utils.sync_global_devices("fp4jax checkpoint verified")
-    return None if step < 0 else step
+        else:
+            problem = integrity.verify(step_dir, share=(index, count)) or ""
+        found = [(i, p) for i, p in enumerate(distributed.agree(problem)) if p]
+        if not found:
+            return step
+        where, problem = found[0]
+        _report_bad(step_dir, problem if count == 1 else f"{problem} (seen by process {where})", may_move)
+        tried.append(step)
 
 
 def _report_bad(step_dir: str, problem: str, may_move: bool):

@@ -7,10 +7,12 @@ heartbeat ends them later with a native abort and a page of log lines. So every 
 a heartbeat of its own in jax's key-value store (a thread, `Watchdog`): a peer whose heartbeat stops
 for FP4JAX_HEARTBEAT_TIMEOUT_S seconds (default 60), or that left the run with an error while this one
 still runs after that long, is named in one line, `error: lost process 1 of 2 (...)`, and the process
-exits EXIT_LOST_PROCESS (4) at once. When the coordinator (process 0) is the one lost, jax's client
-aborts the others natively at once (seen with jax 0.10: its missed_heartbeat_callback cannot be given
-from Python, std::bad_cast), before the store's silence would be noticed here. jax's heartbeat is
-set to twice that timeout, a backstop that fires later.
+exits EXIT_LOST_PROCESS (4) at once. When the coordinator (process 0, which runs jax's coordination
+service) is the one lost, jax's client aborts the others natively at once, before the store's silence
+could be noticed, and jax 0.10 cannot call a Python callback instead (std::bad_cast): `CoordinatorLoss`,
+a SIGABRT handler, turns that abort into the same one line and exit 4 (after jax's own lines). jax's
+heartbeat is set to twice fp4jax's timeout, a backstop that fires later. Decisions that every process
+must take alike (a checkpoint found bad by one process, a full disk on one) are agreed with `agree`.
 
 Timeouts (seconds, from the environment, else DEFAULT_TIMEOUTS_S): FP4JAX_HEARTBEAT_TIMEOUT_S above;
 FP4JAX_INIT_TIMEOUT_S, how long a process waits for the others to join at the start;
@@ -20,18 +22,29 @@ heartbeat_timeout_seconds, initialization_timeout and shutdown_timeout_seconds).
 """
 
 import contextlib
+import ctypes
+import functools
 import inspect
+import itertools
 import os
 import re
+import signal
+import socket
 import sys
 import threading
 import time
 
 import jax
+import numpy as np
+
+from fp4jax.training.errors import ConfigError
 
 __all__ = [
     "EXIT_LOST_PROCESS",
+    "CoordinatorLoss",
     "Watchdog",
+    "agree",
+    "coordinator_answers",
     "initialize",
     "lost_process_line",
     "lost_process_reported",
@@ -54,13 +67,17 @@ _PEER_GONE = re.compile(r"Gloo|NCCL|Connection (closed|reset)|UNAVAILABLE|heartb
 
 
 def timeouts() -> dict[str, int]:
-    """{"heartbeat", "init", "shutdown"}: seconds, from the environment or the defaults; one-line
-    SystemExit for a value that is not a positive integer."""
+    """{"heartbeat", "init", "shutdown"}: seconds, from the environment or the defaults; ConfigError (one
+    line: the variable, its value, what it takes) for a value that is not a whole number >= 1."""
     out = {}
     for name, default in DEFAULT_TIMEOUTS_S.items():
-        text = os.environ.get(ENV_VARS[name], str(default))
+        var = ENV_VARS[name]
+        text = os.environ.get(var, str(default)).strip()
         if not text.isdigit() or int(text) < 1:
-            raise SystemExit(f"error: {ENV_VARS[name]}={text!r} must be a positive number of seconds")
+            raise ConfigError(
+                f"{var}={text!r} is not a whole number of seconds >= 1; set it like {var}={default} "
+                "(or unset it for that default)"
+            )
         out[name] = int(text)
     return out
 
@@ -81,14 +98,18 @@ def initialize():
         return
     accepted = inspect.signature(jax.distributed.initialize).parameters
     kwargs.update({KEYWORDS[k]: v for k, v in jax_timeouts().items() if KEYWORDS[k] in accepted})
-    jax.distributed.initialize(**kwargs)
+    with _service_errors_reported():
+        jax.distributed.initialize(**kwargs)
     from jax._src import distributed as jax_distributed  # where jax keeps its client
 
-    client = jax_distributed.global_state.client
-    if client is not None and jax.process_count() > 1 and hasattr(client, "key_value_dir_get"):
+    state = jax_distributed.global_state
+    if state.client is not None and jax.process_count() > 1 and hasattr(state.client, "key_value_dir_get"):
         global _watchdog
-        _watchdog = Watchdog(client, jax.process_index(), jax.process_count(), timeouts()["heartbeat"])
+        index, count = jax.process_index(), jax.process_count()
+        _watchdog = Watchdog(state.client, index, count, timeouts()["heartbeat"])
         _watchdog.start()
+        if index != 0:
+            CoordinatorLoss.install(state.coordinator_address, index, count)
 
 
 def jax_timeouts() -> dict[str, int]:
@@ -154,6 +175,116 @@ class Watchdog(threading.Thread):
 
 
 _watchdog: Watchdog | None = None
+_agreements = itertools.count()
+
+
+def agree(value: str) -> list[str]:
+    """Every process's `value`, in process order: what a decision that every process must take alike is
+    made from (a checkpoint's verdict, a failed save), so that no process goes another way. Every process
+    calls it at the same points of the run, in the same order. [value] for a single process. Through
+    jax.distributed's key-value store (no device collective: it may come while updates are in flight);
+    waits up to FP4JAX_INIT_TIMEOUT_S for a peer (a lost one ends this process through the watchdog)."""
+    if jax.process_count() == 1:
+        return [value]
+    if _watchdog is None:  # jax.distributed set up elsewhere: a collective instead
+        return _allgather_strings(value)
+    n, client, index = next(_agreements), _watchdog.client, _watchdog.index
+    client.key_value_set(f"fp4jax_agree/{n}/{index}", value)
+    wait_ms = 1000 * timeouts()["init"]
+    return [
+        value if i == index else client.blocking_key_value_get(f"fp4jax_agree/{n}/{i}", wait_ms)
+        for i in range(_watchdog.count)
+    ]
+
+
+def _allgather_strings(value: str, width: int = 1024) -> list[str]:
+    from jax.experimental import multihost_utils
+
+    data = np.zeros(width, np.uint8)
+    raw = value.encode()[:width]
+    data[: len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(data))
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows.reshape(-1, width)]
+
+
+@contextlib.contextmanager
+def _service_errors_reported():
+    """jax.distributed.initialize with a fatal-error callback of fp4jax's given to jax's client (in place
+    of its native abort). jax 0.10 cannot call it (std::bad_cast, then an abort: CoordinatorLoss), but
+    with it the abort prints 3 lines instead of a stack trace, and a jax that can call it reports the
+    error in one line."""
+    from jax._src import distributed as jax_distributed
+
+    module = jax_distributed._jax
+    original = getattr(module, "get_distributed_runtime_client", None)
+    if original is None or "missed_heartbeat_callback" not in (original.__doc__ or ""):
+        yield
+        return
+    module.get_distributed_runtime_client = functools.partial(
+        original, missed_heartbeat_callback=_on_service_error
+    )
+    try:
+        yield
+    finally:
+        module.get_distributed_runtime_client = original
+
+
+def _on_service_error(status=None, *args):
+    """jax's client saw a fatal error of the distributed service: one line, exit EXIT_LOST_PROCESS."""
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    index, count = state.process_id, state.num_processes
+    if not coordinator_answers(state.coordinator_address):
+        _exit_lost(lost_process_line(0, count, index, "its coordination service is gone"))
+    _exit_lost(
+        f"error: jax's distributed service reported a fatal error ({str(status).splitlines()[0]}); "
+        f"process {index} of {count} stops with exit {EXIT_LOST_PROCESS}"
+    )
+
+
+def _exit_lost(line: str):
+    print(line, file=sys.stderr, flush=True)
+    os._exit(EXIT_LOST_PROCESS)
+
+
+def coordinator_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at the coordinator's "host:port" (jax's service)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class CoordinatorLoss:
+    """On a process other than 0: a lost coordinator (process 0, which runs jax's coordination service)
+    reported in one line. jax's client sees the service's socket close at once and aborts this process
+    natively (SIGABRT) before the heartbeat could be missed, and jax 0.10 gives Python no way to stop it
+    (`_service_errors_reported`). So a C-level SIGABRT handler (ctypes): an abort while the coordinator's
+    port refuses connections prints `error: lost process 0 of N (the coordinator, ...)` and exits
+    EXIT_LOST_PROCESS; any other abort goes on as it would (glibc aborts again, with the default action,
+    once the handler returns). jax's native lines about the lost service come before the line."""
+
+    handler = None  # the ctypes function: it must stay alive while it is the handler
+
+    @classmethod
+    def install(cls, address: str, index: int, count: int):
+        try:
+            libc = ctypes.CDLL(None)
+        except OSError:  # no C library to call (not POSIX): jax's abort stays as it is
+            return
+        kind = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+        def on_abort(signum):
+            if not coordinator_answers(address):
+                why = "its coordination service is gone, its port refuses connections"
+                _exit_lost(lost_process_line(0, count, index, why))
+
+        cls.handler = kind(on_abort)
+        libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, kind], ctypes.c_void_p
+        libc.signal(signal.SIGABRT, cls.handler)
 
 
 def lost_process_line(peer: int, count: int, index: int, why: str) -> str:

@@ -92,15 +92,18 @@ def has_manifest(step_dir: str) -> bool:
     return os.path.exists(os.path.join(step_dir, MANIFEST))
 
 
-def verify(step_dir: str) -> str | None:
+def verify(step_dir: str, share: tuple[int, int] = (0, 1)) -> str | None:
     """None when every file of the manifest is present with its size and checksum, else what is wrong
-    (the first bad file); call only when `has_manifest`."""
+    (the first bad file); call only when `has_manifest`. With `share` (index, count): only the manifest's
+    files k (in sorted order) with k % count == index, so that `count` processes verify a step together,
+    each reading about 1/count of it (every file is checked by exactly one of them)."""
+    index, count = share
     try:
         with open(os.path.join(step_dir, MANIFEST), encoding="utf-8") as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"its manifest {MANIFEST} is unreadable ({type(exc).__name__})"
-    for rel, (size, crc) in sorted(files.items()):
+    for rel, (size, crc) in sorted(files.items())[index::count]:
         path = os.path.join(step_dir, rel)
         if not os.path.isfile(path):
             return f"{rel} is missing"
