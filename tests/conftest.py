@@ -55,6 +55,20 @@ else:
     _add_xla_flag("xla_gpu_deterministic_ops", "true")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# Identical programs compile once per test session: many tests build the same tiny trainer, in this
+# process, in pytest-xdist's other worker and in `python -m fp4jax.train` subprocesses. JAX reads these
+# variables when it is imported, so they are set before anything imports jax: the controller sets them
+# before it starts the workers, which inherit them (one directory for the whole session), as do the
+# subprocesses. A fresh directory each session, so that a clean clone's run is what is timed; a directory
+# the user set is used as it is. Every program is written (no minimum compile time or size): the tiny
+# programs are the ones that repeat. An entry is keyed by the program, the XLA flags and the devices, so a
+# hit is the executable the compile would have produced.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp4jax-tests-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 # Runs trained in this process compile as the command line's do. The trainer writes its XLA options (the
 # Triton GEMM fusions off, setup.XLA_OPTIONS) into XLA_FLAGS only where jax has not started yet: in a
 # test's `python -m fp4jax.train` subprocess, never in pytest's process. Without this, tests that compare a
@@ -65,21 +79,21 @@ from fp4jax.training import setup as _setup  # noqa: E402
 
 _setup.apply_xla_options(_base_config.get_config())
 
-# Identical programs compile once per test session: many tests build the same tiny trainer (some in
-# subprocesses, which inherit the variable). A fresh directory each session, so that a clean clone's run is
-# what is timed; a directory the user set is used as it is.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp4jax-tests-xla-cache-")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-
 import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+# The same cache settings where something imported jax before this file (a plugin, a sitecustomize).
+for _option, _parse in (
+    ("jax_compilation_cache_dir", str),
+    ("jax_persistent_cache_min_compile_time_secs", float),
+    ("jax_persistent_cache_min_entry_size_bytes", int),
+):
+    jax.config.update(_option, _parse(os.environ[_option.upper()]))
 
 # The tiny training runs' session fixtures (tests/tiny_runs.py), defined once here so that every module
 # shares one token cache, one compilation cache and one finished run (imported into a test module instead,
 # each module would get its own).
+import ordering  # noqa: E402
 import pytest  # noqa: E402
 from tiny_runs import good_run, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
@@ -110,3 +124,11 @@ def failing_scaled_dot(monkeypatch):
     yield monkeypatch
     probes.scaled_dot_compile_error.cache_clear()
     probes.auto_choice.cache_clear()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow modules first, dealt between pytest-xdist's workers (tests/ordering.py); the same order in
+    every worker, as xdist requires."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    order = ordering.deal([os.path.basename(item.path) for item in items], workers)
+    items[:] = [items[i] for i in order]

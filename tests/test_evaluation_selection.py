@@ -6,13 +6,17 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from tiny_runs import COMPARED, bytes_tokenizer, tiny_config
+from tiny_runs import COMPARED, bytes_tokenizer, compilation_cache, tiny_config
 
 from fp4jax.data import DataError, eval_sources, eval_window_ids, load_token_stream, make_eval_batches
 from fp4jax.data.packing import make_batch, num_windows
 from fp4jax.training import evaluation, setup, trainer
 from fp4jax.training.errors import ConfigError
 from fp4jax.training.metrics import read_metrics
+
+# The tiny runs' byte-level tokenizer in the trainer too (pytest finds the module fixture here), so that
+# the runs below evaluate on the stream these tests read.
+FIXTURES = (compilation_cache,)
 
 
 @pytest.mark.parametrize("available,n", [(752, 256), (752, 752), (10, 3), (1000, 1), (7, 7), (100, 64)])

@@ -23,7 +23,7 @@ import sys
 import time
 
 import pytest
-from tiny_runs import BYTES_CLI, ROOT, cli_args, compare, compilation_cache, xla_cache_env
+from tiny_runs import BYTES_CLI, ROOT, cli_args, compare, compilation_cache, once_per_session, xla_cache_env
 
 from fp4jax import launch_local
 from fp4jax.training import distributed, integrity
@@ -64,13 +64,18 @@ def _read(path) -> str:
         return f.read()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory, token_cache, xla_cache):
-    """The good run's config on 2 processes x 4 CPU devices (checkpoints 2, 4, 6), shared by the tests."""
-    workdir = tmp_path_factory.mktemp("two_process") / "run"
-    procs, logs = _start(workdir, token_cache, xla_cache)
-    codes = _wait(procs)
-    assert codes == [0, 0], [_read(log)[-2000:] for log in logs]
+    """The good run's config on 2 processes x 4 CPU devices (checkpoints 2, 4, 6), shared by the tests
+    and run once per session even where pytest-xdist's workers split this module between them."""
+    with once_per_session(tmp_path_factory, "two_process") as root:
+        workdir, done = root / "run", root / "done"
+        if not done.exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # what a failed attempt left
+            procs, logs = _start(workdir, token_cache, xla_cache)
+            codes = _wait(procs)
+            assert codes == [0, 0], [_read(log)[-2000:] for log in logs]
+            done.touch()
     return workdir
 
 

@@ -21,6 +21,7 @@ runs of the same programs load them from the shared compilation cache.
 import contextlib
 import fcntl
 import os
+import pathlib
 import pickle
 
 import jax
@@ -146,8 +147,20 @@ def token_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def xla_cache(tmp_path_factory):
-    return session_dir(tmp_path_factory, "xla_cache")
+def xla_cache():
+    """The session's one compilation cache (conftest.py sets it up before jax is imported; every process
+    of the session shares it), so the tiny runs also reuse programs that other modules compiled."""
+    return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+
+
+@contextlib.contextmanager
+def once_per_session(tmp_path_factory, name: str):
+    """A directory of `session_dir` held under a file lock: the first process of the session to enter
+    builds what it finds missing there, the others wait for it and find it built."""
+    root = session_dir(tmp_path_factory, name)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield root
 
 
 @contextlib.contextmanager
@@ -183,10 +196,8 @@ def good_run_result(tmp_path_factory, token_cache, xla_cache):
     """One finished tiny run (checkpoints 2, 4, 6; an evaluation at 4) and the summary train() returned,
     shared: tests read the run or copy it, never change it. (Session-scoped fixtures are set up before
     module-scoped ones: it applies the tiny runs' settings itself.)"""
-    root = session_dir(tmp_path_factory, "good_run")
-    workdir, returned = root / "run", root / "returned.pickle"
-    with open(root / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker trains, the others wait for it and read its run
+    with once_per_session(tmp_path_factory, "good_run") as root:  # one worker trains, the others read it
+        workdir, returned = root / "run", root / "returned.pickle"
         if not returned.exists():
             with tiny_run_settings(xla_cache):
                 summary = trainer.train(tiny_config(token_cache), str(workdir))
