@@ -17,7 +17,9 @@ __all__ = ["SLOW_MODULES", "deal", "run_sizes"]
 # Seconds of worker time of the slowest modules (`--durations`, 2 cores, 2026-12-03, a shared machine).
 # Only an ordering: a stale figure makes the suite slower, never different.
 SLOW_MODULES = {
-    "test_multiprocess.py": 232,
+    "test_multiprocess.py": 300,
+    "test_instruments.py": 120,
+    "test_branch.py": 65,
     "test_train.py": 131,
     "test_multidevice.py": 131,
     "test_fused_quantize.py": 92,
@@ -34,6 +36,8 @@ SLOW_MODULES = {
     "test_selfcheck.py": 21,
     "test_readme.py": 19,
     "test_configs.py": 16,
+    "test_study_branching.py": 32,
+    "test_distributed.py": 12,
 }
 
 
