@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 EXIT_LOST_PROCESS = 4
+ABORT_PROBE_S = 2.0  # how long an abort handler keeps asking whether the coordinator's port still answers
 DEFAULT_TIMEOUTS_S = {"heartbeat": 60, "init": 300, "shutdown": 300}
 ENV_VARS = {"heartbeat": "FP4JAX_HEARTBEAT_TIMEOUT_S", "init": "FP4JAX_INIT_TIMEOUT_S"}
 ENV_VARS["shutdown"] = "FP4JAX_SHUTDOWN_TIMEOUT_S"
@@ -278,9 +279,15 @@ class CoordinatorLoss:
         kind = ctypes.CFUNCTYPE(None, ctypes.c_int)
 
         def on_abort(signum):
-            if not coordinator_answers(address):
-                why = "its coordination service is gone, its port refuses connections"
-                _exit_lost(lost_process_line(0, count, index, why))
+            # The service's port can still answer for a moment after jax's client has seen it fail, so an
+            # answering port is asked again for up to ABORT_PROBE_S before the abort goes on.
+            deadline = time.monotonic() + ABORT_PROBE_S
+            while coordinator_answers(address, timeout_s=ABORT_PROBE_S):
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.1)
+            why = "its coordination service is gone, its port refuses connections"
+            _exit_lost(lost_process_line(0, count, index, why))
 
         cls.handler = kind(on_abort)
         libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, kind], ctypes.c_void_p
