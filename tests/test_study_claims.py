@@ -53,16 +53,12 @@ def test_planted_token_overheads_are_recovered_within_their_intervals():
     assert result["pooled_sd"] < 1e-3
 
 
+# The study's picture: Fprop and Dgrad cost little, Wgrad the bulk; SR and RHT leave full as it is.
+WGRAD_DOMINATED = dict(fprop=0.03, fprop_dgrad=0.04, full=0.15, full_sr=0.15, full_rht=0.15)
+
+
 def test_wgrad_dominated_degradation_supports_claim_a_and_h16_at_fprop_level_supports_c():
-    result = _study(
-        fprop=0.03,
-        fprop_dgrad=0.04,
-        full=0.15,
-        full_sr=0.15,
-        full_sr_prescale=0.15,
-        full_rht=0.15,
-        full_h16=0.03,
-    )
+    result = _study(**WGRAD_DOMINATED, full_sr_prescale=0.15, full_h16=0.03)
     verdicts = result["verdicts"]
     assert verdicts["a"]["verdict"] == "supported"
     assert verdicts["b"]["verdict"] == "supported"  # no stabiliser beats full
@@ -73,15 +69,7 @@ def test_wgrad_dominated_degradation_supports_claim_a_and_h16_at_fprop_level_sup
 
 
 def test_a_stabiliser_that_helps_refutes_b_and_an_h16_far_above_fprop_refutes_c():
-    result = _study(
-        fprop=0.03,
-        fprop_dgrad=0.04,
-        full=0.15,
-        full_sr=0.15,
-        full_sr_prescale=0.05,
-        full_rht=0.15,
-        full_h16=0.12,
-    )
+    result = _study(**WGRAD_DOMINATED, full_sr_prescale=0.05, full_h16=0.12)
     assert result["verdicts"]["b"]["verdict"] == "refuted"
     assert _row(result, "C6")["reject"] and _row(result, "C6")["estimate"] < 0
     assert result["verdicts"]["c"]["verdict"] == "refuted"

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from fp4jax.study import stats
+from fp4jax.study import plots, runs, stats
 
 __all__ = [
     "CLAIMS",
@@ -66,11 +64,11 @@ TOKEN_BAND = 0.025  # claim (c)'s equivalence band in token overhead
 CURVE_FRACTION = 0.5  # the baseline's curve is fitted over its last half of tokens
 
 
-def primary_cells(runs, last_k: int) -> tuple[dict, tuple[int, ...], list[dict]]:
+def primary_cells(study_runs, last_k: int) -> tuple[dict, tuple[int, ...], list[dict]]:
     """({(arm, "seed<k>"): primary metric}, the tokens it averages over, [excluded runs with outcome])."""
     ended, excluded = {}, []
-    for run in runs:
-        if run.status in ("reached", "not_reached") and len(run.evals) >= last_k:
+    for run in study_runs:
+        if run.status in runs.FINISHED and len(run.evals) >= last_k:
             ended[(run.rung, f"seed{run.seed}")] = run.evals
         else:
             excluded.append({"arm": run.rung, "seed": run.seed, "status": run.status})
@@ -80,8 +78,8 @@ def primary_cells(runs, last_k: int) -> tuple[dict, tuple[int, ...], list[dict]]
     return cells, tokens, excluded
 
 
-def _baseline_curve(runs, baseline: str) -> stats.PowerLaw:
-    points = [(t, loss) for r in runs if r.rung == baseline for _, t, loss in r.evals]
+def _baseline_curve(study_runs, baseline: str) -> stats.PowerLaw:
+    points = [(t, loss) for r in study_runs if r.rung == baseline for _, t, loss in r.evals]
     if not points:
         raise ValueError(f"the baseline arm {baseline!r} has no evaluations: no curve to convert losses")
     last = max(t for t, _ in points)
@@ -93,13 +91,13 @@ def _with_tokens(row: dict, curve, tokens) -> dict:
     return dict(row, tokens=stats.iso_loss_overhead(curve, tokens, row["estimate"], row["se"], row["df"]))
 
 
-def analyze(runs, baseline: str, arms, last_k: int) -> dict:
+def analyze(study_runs, baseline: str, arms, last_k: int) -> dict:
     """Every number of the pre-registered analysis as JSON-ready data (see the module docstring)."""
-    cells, tokens, excluded = primary_cells(runs, last_k)
+    cells, tokens, excluded = primary_cells(study_runs, last_k)
     present = [a for a in arms if any(arm == a for arm, _ in cells)]
     y, arm_names, blocks = stats.cells_to_table(cells, arms=present)
     fit = stats.fit_additive(y, arm_names, blocks)
-    curve = _baseline_curve(runs, baseline)
+    curve = _baseline_curve(study_runs, baseline)
     estimable = {n: w for n, w in CONTRASTS.items() if set(w) <= set(present)}
     family = stats.contrast_family(fit, estimable) if estimable and fit.df > 0 else []
     reported = [
@@ -195,6 +193,10 @@ def claim_verdicts(result: dict) -> dict[str, dict]:
     return {k: {"claim": CLAIMS[k], "verdict": v, "why": why} for k, (v, why) in decided.items()}
 
 
+def _nats(value: float | None) -> str:
+    return "- (no residual df)" if value is None else f"{value:.4f} nats"
+
+
 def _row(row: dict, holm: bool) -> str:
     tok = row["tokens"]
     tokens = (
@@ -218,7 +220,7 @@ def to_markdown(result: dict) -> str:
     at = ", ".join(f"{t:,}" for t in result["metric_tokens"])
     lines = [
         f"Primary metric: {result['metric']} (tokens {at}); "
-        f"paired arm x seed model, pooled residual sd {result['pooled_sd']:.4f} nats ({result['df']} df); "
+        f"paired arm x seed model, pooled residual sd {_nats(result['pooled_sd'])} ({result['df']} df); "
         "95 % t intervals; token overhead through the baseline's fitted curve.",
     ]
     if result["interim"]:
@@ -239,37 +241,16 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def forest_plot(result: dict, path: str) -> None:
+    """Each arm's and contrast's token overhead with its 95 % interval (plots.plot_forest)."""
+    every = result["versus_baseline"] + result["contrasts"] + result["reported"]
+    rows = [r for r in every if r["tokens"]["overhead"] is not None]
+    plots.plot_forest([(_label(r), r["tokens"]) for r in rows], TOKEN_BAND, path)
+
+
 def _label(row: dict) -> str:
     if row["name"] not in {**CONTRASTS, **REPORTED} or " " in row["name"]:
         return row["name"]
     return f"{row['name']}: " + " - ".join(
         a for a, _ in sorted(row["weights"].items(), key=lambda kv: -kv[1])
     )
-
-
-def forest_plot(result: dict, path: str) -> None:
-    """Each contrast's token overhead with its 95 % interval (claim (c)'s band shaded)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    every = result["versus_baseline"] + result["contrasts"] + result["reported"]
-    rows = [r for r in every if r["tokens"]["overhead"] is not None]
-    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
-    ys = np.arange(len(rows))[::-1]
-    for y, r in zip(ys, rows, strict=True):
-        t = r["tokens"]
-        ax.errorbar(
-            t["overhead"], y, xerr=[[t["overhead"] - t["ci_low"]], [t["ci_high"] - t["overhead"]]], fmt="o"
-        )
-    ax.axvline(0, color="k", lw=0.8)
-    ax.axvspan(-TOKEN_BAND, TOKEN_BAND, color="0.9", zorder=0)
-    ax.set_yticks(ys, [_label(r) for r in rows], fontsize=8)
-    ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="arms against fp8, and the contrasts")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -278,7 +278,7 @@ def measured_minutes(root: str, stage: Stage) -> dict[str, float]:
         directory = spec.directory(stage_root(root, stage))
         record = runs.read_json(os.path.join(directory, runs.RECORD_FILE))
         status = runs.status_of(runs.read_json(runs.summary_path(directory)))
-        if record and "reused_from" not in record and status in ("reached", "not_reached"):
+        if record and "reused_from" not in record and status in runs.FINISHED:
             total = sum(h.get("wall_time_s") or 0.0 for h in record.get("history", []))
             walls.setdefault(spec.rung.name, []).append(total / 60)
     return {arm: statistics.median(w) for arm, w in walls.items()}

@@ -1,4 +1,5 @@
-"""The study's figures from analysis.analyze's dict: loss curves, overhead bars, LR sensitivity."""
+"""The study's figures from analysis.analyze's dict (loss curves, overhead bars, LR sensitivity) and the
+forest plot of the pre-registered analysis (claims.forest_plot)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 from fp4jax.study.analysis import GEMMS, first_probed
 
-__all__ = ["plot_all", "plot_curves", "plot_diagnostics", "plot_lr", "plot_overhead"]
+__all__ = ["plot_all", "plot_curves", "plot_diagnostics", "plot_forest", "plot_lr", "plot_overhead"]
 
 
 def _pyplot():
@@ -121,6 +122,26 @@ def plot_diagnostics(result: dict, path: str) -> None:
 def _first_diag(g: dict) -> dict | None:
     run = first_probed(g)
     return run and run["diagnostics"]
+
+
+def plot_forest(rows: list[tuple[str, dict]], band: float, path: str) -> None:
+    """(label, token overhead with ci_low / ci_high) per row, top to bottom, each with its 95 % interval;
+    +-band shaded (claim (c)'s equivalence band)."""
+    plt = _pyplot()
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.5))
+    ys = list(range(len(rows)))[::-1]
+    for y, (_, t) in zip(ys, rows, strict=True):
+        err = [[t["overhead"] - t["ci_low"]], [t["ci_high"] - t["overhead"]]]
+        ax.errorbar(t["overhead"], y, xerr=err, fmt="o")
+    ax.axvline(0, color="k", lw=0.8)
+    ax.axvspan(-band, band, color="0.9", zorder=0)
+    ax.set_yticks(ys, [label for label, _ in rows], fontsize=8)
+    ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="arms against fp8, and the contrasts")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.grid(alpha=0.3, axis="x")
+    _save(fig, path)
 
 
 def _save(fig, path: str) -> None:
