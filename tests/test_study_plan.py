@@ -147,6 +147,44 @@ def test_the_budget_stops_a_run_with_a_checkpoint_and_the_next_call_resumes_it(
     ]
 
 
+def test_slot_sharing_counts_the_runs_that_may_share_a_device():
+    assert runner.slot_sharing([["0"], ["0"], ["0"]]) == [3, 3, 3]
+    assert runner.slot_sharing([["0"], ["1"]]) == [1, 1]
+    assert runner.slot_sharing([["0", "1"], ["1"], ["2"]]) == [2, 2, 1]
+    assert runner.slot_sharing([[], []]) == [2, 2]  # not pinned (CPU): every run shares the machine
+
+
+def _finished_run(root, stage, arm, seed, walls_by_sharing):
+    directory = os.path.join(root, stage, arm, f"seed{seed}")
+    os.makedirs(directory)
+    runs.write_json(os.path.join(directory, "summary.json"), {"status": "not_reached", "steps": 4})
+    history = [{"wall_time_s": w, "runs_per_gpu": n, "status": "x"} for n, w in walls_by_sharing]
+    runs.write_json(os.path.join(directory, "ladder_run.json"), {"attempts": len(history), "history": history})
+
+
+def test_measured_wall_times_are_used_only_under_the_same_gpu_sharing(tiny_plan, tmp_path):
+    root = str(tmp_path)
+    _finished_run(root, "gate", "a", 0, [(1, 60.0), (1, 30.0)])  # two attempts alone: 1.5 min
+    _finished_run(root, "gate", "a", 1, [(3, 300.0)])  # three to a GPU
+    _finished_run(root, "gate", "b", 0, [(None, 120.0)])  # recorded before the setting was
+    gate = tiny_plan.stage("gate")
+    assert plan.measured_minutes(root, gate, 1) == {"a": pytest.approx(1.5)}
+    assert plan.measured_minutes(root, gate, 3) == {"a": pytest.approx(5.0)}
+    assert plan.measured_minutes(root, gate, 2) == {}
+    # An arm without a comparable measurement is expected at the plan's run_minutes.
+    spec_b = next(s for s in plan.stage_specs(gate) if s.rung.name == "b")
+    fresh = str(tmp_path / "fresh")
+    assert plan.expected_minutes(spec_b, fresh, gate, plan.measured_minutes(root, gate, 1)) == gate.run_minutes
+
+
+def test_an_attempt_records_how_many_runs_shared_its_gpu(tiny_plan, tmp_path, monkeypatch):
+    _fake(monkeypatch, FINISHER)
+    root = str(tmp_path / "runs")
+    plan.run_plan(tiny_plan, root, budget_minutes=5, parallel=2, log=lambda line: None)
+    record = runs.read_json(os.path.join(root, "gate", "a", "seed0", "ladder_run.json"))
+    assert [h["runs_per_gpu"] for h in record["history"]] == [2]  # CPU: two runs share the machine
+
+
 @pytest.mark.parametrize(
     "edit,message",
     [

@@ -271,15 +271,21 @@ def steps_done(directory: str) -> int:
     return max((int(d) for d in os.listdir(ckpts) if d.isdigit()), default=0)
 
 
-def measured_minutes(root: str, stage: Stage) -> dict[str, float]:
-    """{arm: median over its finished runs of the wall time of all their attempts}, in minutes."""
+def measured_minutes(root: str, stage: Stage, runs_per_gpu: int = 1) -> dict[str, float]:
+    """{arm: median over its finished runs of the wall time of all their attempts}, in minutes, from the
+    runs whose every attempt ran with `runs_per_gpu` runs sharing its GPU (runner.slot_sharing): three
+    runs on one H200 each take about 2.5x a run alone, so a wall time measured under another setting (or
+    under an unrecorded one) says nothing about this call's and is not used (the plan's run_minutes is)."""
     walls: dict[str, list[float]] = {}
     for spec in stage_specs(stage):
         directory = spec.directory(stage_root(root, stage))
         record = runs.read_json(os.path.join(directory, runs.RECORD_FILE))
         status = runs.status_of(runs.read_json(runs.summary_path(directory)))
-        if record and "reused_from" not in record and status in runs.FINISHED:
-            total = sum(h.get("wall_time_s") or 0.0 for h in record.get("history", []))
+        if not record or "reused_from" in record or status not in runs.FINISHED:
+            continue
+        history = record.get("history", [])
+        if history and all(h.get("runs_per_gpu") == runs_per_gpu for h in history):
+            total = sum(h.get("wall_time_s") or 0.0 for h in history)
             walls.setdefault(spec.rung.name, []).append(total / 60)
     return {arm: statistics.median(w) for arm, w in walls.items()}
 
@@ -351,7 +357,8 @@ def _phases(stage: Stage, sroot: str, arms, log):
 
 def _run_stage(todo, infos, slots, kind, deadline, overrides, log, clock) -> dict[str, dict]:
     stage = todo[0].stage
-    measured = measured_minutes(os.path.dirname(todo[0].root), stage)
+    sharing = runner.slot_sharing(slots)
+    measured = measured_minutes(os.path.dirname(todo[0].root), stage, max(sharing))
     env = _env(stage, log)
     running: dict[int, tuple[runner.Job, _Todo]] = {}
     stopping: dict[int, float] = {}  # slot -> when the budget's SIGTERM was sent
@@ -365,7 +372,7 @@ def _run_stage(todo, infos, slots, kind, deadline, overrides, log, clock) -> dic
                 if item is None:
                     break
                 todo.remove(item)
-                job = _start(item, overrides, slots[slot], kind, env)
+                job = _start(item, overrides, slots[slot], kind, env, sharing[slot])
                 running[slot] = (job, item)
                 where = f" on GPU {','.join(slots[slot])}" if slots[slot] else ""
                 log(f"study: start {stage.name}/{item.spec.label}{where}")
@@ -413,8 +420,8 @@ def _next_fitting(todo: list[_Todo], minutes_left: float, measured, idle: bool, 
     return todo[0] if todo and idle and minutes_left >= MIN_START_MINUTES else None
 
 
-def _start(item: _Todo, overrides, gpus, kind, env) -> runner.Job:
-    return runner.start(item.spec, item.root, overrides, gpus, kind, None, env=env)
+def _start(item: _Todo, overrides, gpus, kind, env, runs_per_gpu: int) -> runner.Job:
+    return runner.start(item.spec, item.root, overrides, gpus, kind, None, env=env, runs_per_gpu=runs_per_gpu)
 
 
 def _finish(job: runner.Job, code: int, info: dict, *, budget_stopped: bool) -> dict | None:

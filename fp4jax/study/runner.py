@@ -39,6 +39,7 @@ __all__ = [
     "progress_line",
     "record_attempt",
     "run_grid",
+    "slot_sharing",
     "start",
     "stop_all",
 ]
@@ -148,6 +149,7 @@ class Job:
     started: float
     gpus: list[str]
     timeout_s: float | None
+    runs_per_gpu: int = 1  # the runs this call lets share the job's devices (recorded, so wall times compare)
     terminated_at: float | None = None
     timed_out: bool = False
 
@@ -156,9 +158,12 @@ def _mtime(path: str) -> float | None:
     return os.path.getmtime(path) if os.path.exists(path) else None
 
 
-def start(spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s, env=None) -> Job:
+def start(
+    spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s, env=None, runs_per_gpu: int = 1
+) -> Job:
     """Launches the trainer for `spec` in its own session (so the ladder decides which signals it gets),
-    in `env` (default: this process's environment) pinned to `gpus`."""
+    in `env` (default: this process's environment) pinned to `gpus`; `runs_per_gpu` (slot_sharing) is
+    recorded with the attempt."""
     run_dir = spec.directory(root)
     os.makedirs(run_dir, exist_ok=True)
     cmd = spec.argv(root, overrides)
@@ -183,6 +188,7 @@ def start(spec: RunSpec, root: str, overrides: list[str], gpus, kind, timeout_s,
         time.monotonic(),
         gpus,
         timeout_s,
+        runs_per_gpu,
     )
 
 
@@ -241,7 +247,13 @@ def record_attempt(job: Job, code: int, wall: float, summary: dict) -> None:
     record.update(seed=job.spec.seed, lr=job.spec.lr, config=job.spec.rung.config, command=job.proc.args)
     record["attempts"] += 1
     record["history"].append(
-        {"exit_code": code, "wall_time_s": wall, "gpus": job.gpus, "status": runs.status_of(summary)}
+        {
+            "exit_code": code,
+            "wall_time_s": wall,
+            "gpus": job.gpus,
+            "runs_per_gpu": job.runs_per_gpu,
+            "status": runs.status_of(summary),
+        }
     )
     runs.write_json(path, record)
 
@@ -326,13 +338,14 @@ def run_grid(
     kind = accelerator_kind()
     slots = _slots(parallel, gpus, gpus_per_run, kind)
     timeout_s = timeout_min * 60 if timeout_min else None
+    sharing = slot_sharing(slots)
     running: dict[int, Job] = {}
     done: dict[str, dict] = {}
     try:
         while todo or running:
             for slot in [i for i in range(len(slots)) if i not in running][: len(todo)]:
                 spec = todo.pop(0)
-                running[slot] = start(spec, root, overrides, slots[slot], kind, timeout_s)
+                running[slot] = start(spec, root, overrides, slots[slot], kind, timeout_s, None, sharing[slot])
                 where = f" on GPU {','.join(slots[slot])}" if slots[slot] else ""
                 log(f"ladder: start {spec.label}{where}")
             for slot, job in list(running.items()):
@@ -357,6 +370,15 @@ def progress_line(job: Job, code: int, summary: dict) -> str:
     minutes = (time.monotonic() - job.started) / 60
     log = os.path.join(job.run_dir, "train.log")
     return f"{job.spec.label}: {describe(summary)}; exit {code}, {minutes:.1f} min; log {log}"
+
+
+def slot_sharing(slots: list[list[str]]) -> list[int]:
+    """Per slot, how many slots may run on one of its devices at once: the slots naming one of its GPUs
+    (`--gpus 0,0` gives 2 each), or every slot where runs are not pinned (CPU). A run's wall time depends
+    on it, so measured wall times are compared only between attempts with the same value."""
+    if not any(slots):
+        return [len(slots)] * len(slots)
+    return [max(sum(gpu in other for other in slots) for gpu in slot) if slot else 1 for slot in slots]
 
 
 def _slots(parallel: int, gpus, gpus_per_run: int, kind) -> list[list[str]]:
