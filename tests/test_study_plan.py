@@ -159,7 +159,8 @@ def _finished_run(root, stage, arm, seed, walls_by_sharing):
     os.makedirs(directory)
     runs.write_json(os.path.join(directory, "summary.json"), {"status": "not_reached", "steps": 4})
     history = [{"wall_time_s": w, "runs_per_gpu": n, "status": "x"} for n, w in walls_by_sharing]
-    runs.write_json(os.path.join(directory, "ladder_run.json"), {"attempts": len(history), "history": history})
+    record = {"attempts": len(history), "history": history}
+    runs.write_json(os.path.join(directory, "ladder_run.json"), record)
 
 
 def test_measured_wall_times_are_used_only_under_the_same_gpu_sharing(tiny_plan, tmp_path):
@@ -174,7 +175,17 @@ def test_measured_wall_times_are_used_only_under_the_same_gpu_sharing(tiny_plan,
     # An arm without a comparable measurement is expected at the plan's run_minutes.
     spec_b = next(s for s in plan.stage_specs(gate) if s.rung.name == "b")
     fresh = str(tmp_path / "fresh")
-    assert plan.expected_minutes(spec_b, fresh, gate, plan.measured_minutes(root, gate, 1)) == gate.run_minutes
+    measured = plan.measured_minutes(root, gate, 1)
+    assert plan.expected_minutes(spec_b, fresh, gate, measured) == gate.run_minutes
+
+
+def test_runs_share_one_compilation_cache_under_the_root_unless_the_caller_names_one(tiny_plan, monkeypatch):
+    gate = tiny_plan.stage("gate")
+    monkeypatch.delenv(plan.COMPILE_CACHE_ENV, raising=False)
+    expected = os.path.join(ROOT, "runs", "x", ".jax_cache")
+    assert plan._env(gate, "runs/x", print)[plan.COMPILE_CACHE_ENV] == expected
+    monkeypatch.setenv(plan.COMPILE_CACHE_ENV, "/elsewhere")
+    assert plan._env(gate, "runs/x", print)[plan.COMPILE_CACHE_ENV] == "/elsewhere"
 
 
 def test_an_attempt_records_how_many_runs_shared_its_gpu(tiny_plan, tmp_path, monkeypatch):

@@ -17,6 +17,8 @@ Run layout: ROOT/<stage>/<arm>/seed<k>/ (fp4jax.study.runs), so each stage is a 
 a branch stage's is ROOT/<stage>/trunk/seed<k>/ and ROOT/<stage>/<arm>/at<step>/seed<k>/.
 
 Invariants of `run`:
+- every run of the call shares one persistent compilation cache, ROOT/.jax_cache (or the caller's
+  JAX_COMPILATION_CACHE_DIR): an arm's seeds run one program, compiled once;
 - a run with a final summary is never started again (runner); an unfinished one resumes from its
   checkpoints;
 - the call holds its GPUs for at most --budget-minutes of wall time: a run is started only when its
@@ -243,8 +245,16 @@ def blocked_by(plan: Plan, root: str, stage: Stage) -> str | None:
     return None
 
 
-def _env(stage: Stage, log) -> dict[str, str]:
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"  # jax's persistent compilation cache
+COMPILE_CACHE_DIR = ".jax_cache"  # under the study's root, unless the caller's environment names one
+
+
+def _env(stage: Stage, root: str, log) -> dict[str, str]:
+    """The runs' environment: the stage's GEMM back end, and one persistent compilation cache for the
+    study, so that the seeds of an arm (the same program: the seed enters as data) compile it once. A
+    stochastic recipe's step takes minutes to compile on an H200; the cache changes no bit of a run."""
     env = dict(os.environ)
+    env.setdefault(COMPILE_CACHE_ENV, os.path.join(os.path.abspath(root), COMPILE_CACHE_DIR))
     if stage.backend == "auto":
         if env.pop(BACKEND_ENV, None) is not None:
             log(f"study: stage {stage.name} runs back end 'auto': {BACKEND_ENV} is not passed to its runs")
@@ -359,7 +369,7 @@ def _run_stage(todo, infos, slots, kind, deadline, overrides, log, clock) -> dic
     stage = todo[0].stage
     sharing = runner.slot_sharing(slots)
     measured = measured_minutes(os.path.dirname(todo[0].root), stage, max(sharing))
-    env = _env(stage, log)
+    env = _env(stage, os.path.dirname(todo[0].root), log)
     running: dict[int, tuple[runner.Job, _Todo]] = {}
     stopping: dict[int, float] = {}  # slot -> when the budget's SIGTERM was sent
     done: dict[str, dict] = {}

@@ -345,7 +345,9 @@ def run_grid(
         while todo or running:
             for slot in [i for i in range(len(slots)) if i not in running][: len(todo)]:
                 spec = todo.pop(0)
-                running[slot] = start(spec, root, overrides, slots[slot], kind, timeout_s, None, sharing[slot])
+                running[slot] = start(
+                    spec, root, overrides, slots[slot], kind, timeout_s, runs_per_gpu=sharing[slot]
+                )
                 where = f" on GPU {','.join(slots[slot])}" if slots[slot] else ""
                 log(f"ladder: start {spec.label}{where}")
             for slot, job in list(running.items()):
