@@ -14,10 +14,27 @@ from fp4jax.study import analysis, report, runs
 TOKENS_PER_STEP = 100
 
 
-def write_run(run_dir, evals, *, status="reached", target=3.3, tokens_per_s=1000.0, extra=None, summary=True):
+def write_run(
+    run_dir,
+    evals,
+    *,
+    status="reached",
+    target=3.3,
+    tokens_per_s=1000.0,
+    extra=None,
+    summary=True,
+    runs_per_gpu=1,
+):
     """A run as the trainer writes it (training/summary.py): evals [(step, loss)], metrics.jsonl with 10
-    train steps a eval, and summary.json."""
+    train steps a eval, and summary.json; and the runner's record of one attempt with `runs_per_gpu` runs
+    sharing its GPU (none for runs_per_gpu=None)."""
     os.makedirs(run_dir, exist_ok=True)
+    record = os.path.join(run_dir, runs.RECORD_FILE)
+    if runs_per_gpu is None and os.path.exists(record):
+        os.remove(record)
+    if runs_per_gpu is not None:
+        attempt = {"exit_code": 0, "wall_time_s": 60.0, "runs_per_gpu": runs_per_gpu, "status": status}
+        runs.write_json(record, {"attempts": 1, "history": [attempt]})
     last = evals[-1][0] if evals else 10
     lines = [
         {"step": s, "loss": 5.0, "tokens": TOKENS_PER_STEP * s, "sequences": s, "tokens_per_s": tokens_per_s}
@@ -110,6 +127,27 @@ def test_seed_statistics_overhead_and_speedup(study):
     assert h["time_saved"] == pytest.approx(1 - 1 / speed)
     assert h["end_to_end_speedup_se"] == pytest.approx(speed * rel)
     assert b["token_overhead"] == 0.0
+
+
+@pytest.mark.parametrize("h16_sharing", [3, None])
+def test_throughputs_under_different_or_unrecorded_gpu_sharing_give_no_speedup(study, h16_sharing):
+    write_run(study / "h16" / "seed1", H16[1], tokens_per_s=1250.0, runs_per_gpu=h16_sharing)
+    result = analysis.analyze(analysis.load_runs(str(study)), "fp8")
+    h = {g["rung"]: g for g in result["groups"]}["h16"]
+    assert h["runs_per_gpu"] is None and h["tokens_per_s"] == pytest.approx(1250.0)
+    assert h["step_speedup"] is None and h["end_to_end_speedup"] is None and h["time_saved"] is None
+    assert h["token_overhead"] is not None  # the token metrics do not depend on the sharing
+    line = next(row for row in report.ladder_table(result) if row.startswith("| h16 "))
+    assert "1,250 (sharing not recorded)" in line
+
+
+def test_a_run_filled_from_an_earlier_stage_has_that_runs_gpu_sharing(tmp_path):
+    write_run(tmp_path / "first" / "a" / "seed0", BASE[0], runs_per_gpu=2)
+    write_run(tmp_path / "second" / "a" / "seed0", BASE[0], runs_per_gpu=None)
+    record = {"attempts": 0, "history": [], "reused_from": "first/a/seed0"}
+    runs.write_json(str(tmp_path / "second" / "a" / "seed0" / runs.RECORD_FILE), record)
+    run = analysis.load_run("a", None, 0, str(tmp_path / "second" / "a" / "seed0"))
+    assert run.runs_per_gpu == 2
 
 
 def test_a_diverged_seed_is_counted_not_averaged_and_reads_diverged(study):

@@ -14,7 +14,8 @@ Definitions:
   Paired form beside it: mean and sd over seeds of (t_rung,k / t_baseline,k - 1), seeds where both reached.
 - throughput: a run's median training tokens/s (its summary's tokens_per_s_median, else the same rule,
   training.metrics.median_tokens_per_s, over its metrics.jsonl: the updates after the first 3, which
-  compile); a rung's is the mean over its runs.
+  compile); a rung's is the mean over its runs, with the GPU sharing its runs ran under (runs.gpu_sharing).
+  Speed-ups compare only groups whose runs all ran under one recorded sharing: "-" otherwise.
 - time to target T = mean tokens to target / throughput. End-to-end speed-up = T_baseline / T_rung; time
   saved = 1 - T_rung / T_baseline. Their standard errors carry the overhead's relative error only
   (throughput is taken as exact).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import statistics
 
 from fp4jax.study import runs
@@ -78,6 +80,7 @@ class StudyRun:
     tokens_per_s: float | None
     directory: str
     diagnostics: dict | None = None  # diagnostics(records)
+    runs_per_gpu: int | None = None  # runs.gpu_sharing of the run's attempts (None: not recorded)
 
 
 def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> StudyRun:
@@ -102,7 +105,19 @@ def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Stu
         tokens_per_s=s.get("tokens_per_s_median") or runs.median_tokens_per_s(records),
         directory=run_dir,
         diagnostics=diagnostics(records),
+        runs_per_gpu=runs.gpu_sharing(_attempts_record(run_dir)),
     )
+
+
+def _attempts_record(run_dir: str) -> dict | None:
+    """The runner's record of the attempts that made the run: its own, or for a run filled from an
+    identical run of an earlier stage (plan.reuse_earlier_run: "reused_from", ROOT-relative) that one's."""
+    record = runs.read_json(os.path.join(run_dir, runs.RECORD_FILE))
+    origin = (record or {}).get("reused_from")
+    if origin is None:
+        return record
+    study_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.normpath(run_dir))))
+    return runs.read_json(os.path.join(study_root, origin, runs.RECORD_FILE))
 
 
 def first_probed(group: dict) -> dict | None:
@@ -198,6 +213,7 @@ def run_row(run: StudyRun, target: float) -> dict:
         "divergence_reason": run.divergence_reason,
         "failure": run.failure,
         "tokens_per_s": run.tokens_per_s,
+        "runs_per_gpu": run.runs_per_gpu,
         "final_eval_loss": run.evals[-1][2] if run.evals else None,
         "evals": [list(e) for e in run.evals],
         "directory": run.directory,
@@ -223,6 +239,7 @@ def group_stats(rows: list[dict]) -> dict:
     final_mean, final_sd = mean_sd([f for f in finals if f is not None])
     intervals = sorted({r["crossing"]["interval"] for r in reached})
     rates = [r["tokens_per_s"] for r in rows if r["tokens_per_s"]]
+    sharing = {r.get("runs_per_gpu") for r in rows}
     return {
         "rung": rows[0]["rung"],
         "lr": rows[0]["lr"],
@@ -233,6 +250,7 @@ def group_stats(rows: list[dict]) -> dict:
         "tokens_to_target_n": len(reached),
         "eval_intervals": intervals,
         "tokens_per_s": statistics.fmean(rates) if rates else None,
+        "runs_per_gpu": sharing.pop() if len(sharing) == 1 else None,  # None: mixed or not recorded
         "final_eval_loss_mean": final_mean,
         "final_eval_loss_sd": final_sd,
         "runs": rows,
@@ -267,11 +285,16 @@ def overhead(group: dict, base: dict) -> dict:
 
 
 def speedup(group: dict, base: dict, relative_se: float | None) -> dict:
-    """Step speed-up, end-to-end speed-up T_b / T_r and time saved 1 - T_r / T_b, with standard errors."""
-    step = _ratio(group["tokens_per_s"], base["tokens_per_s"])
+    """Step speed-up, end-to-end speed-up T_b / T_r and time saved 1 - T_r / T_b, with standard errors;
+    all None unless every run of both groups ran with the same recorded GPU sharing (runs.gpu_sharing):
+    throughputs measured under different sharing differ by the sharing, not the recipe."""
+    comparable = group.get("runs_per_gpu") is not None and group.get("runs_per_gpu") == base.get(
+        "runs_per_gpu"
+    )
+    step = _ratio(group["tokens_per_s"], base["tokens_per_s"]) if comparable else None
     t_r = _ratio(group["tokens_to_target_mean"], group["tokens_per_s"])
     t_b = _ratio(base["tokens_to_target_mean"], base["tokens_per_s"])
-    ratio = _ratio(t_b, t_r)
+    ratio = _ratio(t_b, t_r) if comparable else None
     saved = None if ratio is None else 1 - 1 / ratio
     return {
         "step_speedup": step,

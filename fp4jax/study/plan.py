@@ -293,9 +293,8 @@ def measured_minutes(root: str, stage: Stage, runs_per_gpu: int = 1) -> dict[str
         status = runs.status_of(runs.read_json(runs.summary_path(directory)))
         if not record or "reused_from" in record or status not in runs.FINISHED:
             continue
-        history = record.get("history", [])
-        if history and all(h.get("runs_per_gpu") == runs_per_gpu for h in history):
-            total = sum(h.get("wall_time_s") or 0.0 for h in history)
+        if runs.gpu_sharing(record) == runs_per_gpu:
+            total = sum(h.get("wall_time_s") or 0.0 for h in record["history"])
             walls.setdefault(spec.rung.name, []).append(total / 60)
     return {arm: statistics.median(w) for arm, w in walls.items()}
 

@@ -74,12 +74,21 @@ def group_line(g: dict, with_lr: bool) -> str:
         per_seed,
         _pm(g["token_overhead"], g["token_overhead_se"], "+.1%"),
         "-" if not paired else f"{_pm(paired['mean'], paired['sd'], '+.1%')} (n={paired['n']})",
-        _num(g["tokens_per_s"], ",.0f"),
+        tokens_per_s_cell(g),
         _num(g["step_speedup"], ".3f"),
         _pm(g["end_to_end_speedup"], g["end_to_end_speedup_se"], ".3f"),
         _pm(g["time_saved"], g["time_saved_se"], "+.1%"),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def tokens_per_s_cell(g: dict) -> str:
+    """The rung's mean tokens/s and the GPU sharing it was measured under (runs.gpu_sharing)."""
+    if g["tokens_per_s"] is None:
+        return "-"
+    n = g.get("runs_per_gpu")
+    where = "sharing not recorded" if n is None else ("alone on its GPU" if n == 1 else f"{n} runs per GPU")
+    return f"{g['tokens_per_s']:,.0f} ({where})"
 
 
 def ladder_table(result: dict) -> list[str]:

@@ -35,6 +35,7 @@ __all__ = [
     "evals_from",
     "find_runs",
     "first_at_or_below",
+    "gpu_sharing",
     "is_finished",
     "median_tokens_per_s",
     "parse_run_path",
@@ -170,6 +171,15 @@ def derive_summary(
 
 RECORD_FILE = "ladder_run.json"  # the runner's record of a run's attempts
 RUN_FILES = ("metrics.jsonl", "summary.json", RECORD_FILE)
+
+
+def gpu_sharing(record: dict | None) -> int | None:
+    """How many runs could share the run's GPU in every one of its attempts (the `runs_per_gpu` each
+    attempt of the runner's record carries: runner.slot_sharing), or None when the attempts differ, one
+    did not record it, or there are none. Wall times and tokens/s compare only between equal values: a
+    run alone on an H200 is about 2.5x as fast as one of three sharing it."""
+    values = {h.get("runs_per_gpu") for h in (record or {}).get("history", [])}
+    return values.pop() if len(values) == 1 else None
 
 
 def parse_run_path(rel: str) -> tuple[str, float | None, int | None]:
