@@ -2,7 +2,8 @@
 against the 1 x 8 good run, files written once, a lost process (SIGKILL of process 1 or of the
 coordinator) reported in one line, SIGTERM, a checkpoint file bad for one process only and a full disk on
 one process (every process takes the same decision), and checkpoints continued on another layout
-(2 x 4 -> 4 x 2 -> 2 x 4, 2 x 4 -> 1 x 8). Runs are shared (module fixtures, copies of a finished run).
+(2 x 4 -> 4 x 2 -> 2 x 4; 1 x 8 -> 2 x 4 -> 1 x 8, the 2 x 4 leg saving with async_checkpointing=False,
+the synchronous saves across processes). Runs are shared (module fixtures, copies of a finished run).
 
 Each process is `python -m fp4jax.train` (with the byte-level tokenizer of the tiny runs) in the
 environment `fp4jax.launch_local` gives it. Every subprocess has a watchdog (communicate's timeout), so
@@ -193,17 +194,59 @@ def test_sigterm_stops_every_process_at_one_step_and_resumes_exactly(
     assert compare(workdir) == compare(two_process_run)
 
 
-def test_two_process_checkpoint_continues_on_one_process(two_process_run, good_run, tmp_path, token_cache):
-    """The 2 x 4 run's checkpoint 4 restored by 1 process x 8 devices (its data iterator's state too):
-    updates 5 and 6 read the same batches, so their losses match the 1 x 8 run's within the bound."""
+@pytest.fixture(scope="module")
+def one_to_two_process_continuation(good_run, tmp_path_factory, token_cache, xla_cache):
+    """The 1 x 8 good run's checkpoint 4 continued by 2 processes x 4 devices to update 6, saving after
+    every update with synchronous checkpointing (--config.async_checkpointing=False): checkpoints 5 and 6
+    are written by 2 processes through orbax's synchronous Checkpointer (its barriers among the
+    processes), each manifest by process 0 once `save` returns."""
+    workdir = _copy_until(good_run, tmp_path_factory.mktemp("one_to_two") / "run", 4)
+    procs, logs = _start(workdir, token_cache, xla_cache, checkpoint_every_steps=1, async_checkpointing=False)
+    assert _wait(procs) == [0, 0], [_read(log)[-2000:] for log in logs]
+    return workdir
+
+
+def test_one_process_checkpoint_continues_on_two_processes_saving_synchronously(
+    one_to_two_process_continuation, good_run
+):
+    """Checkpoint 4 of the 1 x 8 run restored by 2 processes (its data iterator's state too): updates 5
+    and 6 read the same batches, so their losses match the 1 x 8 run's within the bound. The synchronous
+    saves of 5 and 6 (`one_to_two_process_continuation`, async_checkpointing=False) hold both processes'
+    files and a manifest that verifies; 5's manifest was written when its save returned, before any file
+    of 6 (not by the end of the run's `finish`, which writes the missing ones); no orbax tmp dir is left."""
+    workdir = one_to_two_process_continuation
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6 and summary["devices"] == "8 x cpu"
+    _continues_within_the_bound(workdir, good_run, updates=2)
+    ckpts = workdir / "checkpoints"
+    meta = json.loads((ckpts / "6" / "meta" / "metadata").read_text())
+    assert meta["config"]["async_checkpointing"] is False  # the flag reached the run
+    assert sorted(integrity.step_dirs(str(ckpts))) == [4, 5, 6]  # keep_checkpoints 3
+    for step in (5, 6):
+        step_dir = ckpts / str(step)
+        assert integrity.has_manifest(str(step_dir)), step
+        assert integrity.verify(str(step_dir)) is None, step
+        assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(step_dir / "state")), step
+    files_of_6 = [os.path.join(root, n) for root, _, names in os.walk(ckpts / "6") for n in names]
+    first_of_6 = min(os.stat(f).st_mtime_ns for f in files_of_6 if integrity.MANIFEST not in f)
+    assert os.stat(ckpts / "5" / integrity.MANIFEST).st_mtime_ns <= first_of_6
+    assert not [n for n in os.listdir(ckpts) if integrity.ORBAX_TMP in n]
+
+
+def test_two_process_checkpoint_continues_on_one_process(
+    one_to_two_process_continuation, good_run, tmp_path, token_cache
+):
+    """Checkpoint 5 of the 2 x 4 continuation (saved synchronously by 2 processes) restored by 1 process x
+    8 devices (its data iterator's state too): update 6 reads the same batch, so its loss matches the
+    1 x 8 run's within the bound."""
     from tiny_runs import tiny_config
 
     from fp4jax.training import trainer
 
-    workdir = _copy_until(two_process_run, tmp_path / "run", 4)
+    workdir = _copy_until(one_to_two_process_continuation, tmp_path / "run", 5)
     summary = trainer.train(tiny_config(token_cache), str(workdir))
-    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
-    _continues_within_the_bound(workdir, good_run, updates=2)
+    assert summary["resumed_from_step"] == 5 and summary["steps"] == 6
+    _continues_within_the_bound(workdir, good_run, updates=1)
 
 
 def _copy_until(run, workdir, step: int):
