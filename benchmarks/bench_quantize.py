@@ -40,31 +40,24 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import ops
-from fp4jax.ops import KernelConfig, QuantSpec, RotationSpec, Tile, quantize
+from fp4jax.ops import KernelConfig, RotationSpec, Tile, quantize
+from fp4jax.ops.quantized_dot import quantize_operand
 
-SPEC = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", rounding="nearest_even")
+SPEC = ops.get_recipe("mxfp4_full").fprop.lhs  # the library's MXFP4 operand (recipes.MXFP4)
 KEY = jax.random.key(0)  # every timed function takes (x, key); stochastic rounding draws from it
 ROTATIONS = {"none": RotationSpec(), "H16": RotationSpec(kind="deterministic", size=16)}
 
 
 def _reference_fn(axis: int, rotation: RotationSpec, out: str, rotate):
-    """The unfused path: rotate (matmul or the shared butterfly), quantize_mx, fold."""
+    """The unfused path: rotate (matmul or the shared butterfly), quantize_mx (as quantized_dot calls it),
+    fold."""
 
     def run(x, key):
         xt = x if axis == -1 else jnp.swapaxes(x, -1, -2)
         v = xt  # bf16, as quantized_dot rotates it (rotate_blocks: bf16 x bf16 for H16)
         if rotation.kind != "none":
             v = rotate(v, rotation.size)
-        mx = quantize.quantize_mx(
-            v,
-            axis=-1,
-            elem=SPEC.elem,
-            block_size=SPEC.block_size,
-            scale_mode=SPEC.scale_mode,
-            rounding=SPEC.rounding,
-            key=key,
-            prescale=SPEC.prescale,
-        )
+        mx = quantize_operand(v, SPEC, key, None)  # quantized_dot's own call: quantize_mx along the last axis
         return mx if out == "mx" else ops.fold_mx_to_fp8(mx)
 
     return jax.jit(run)

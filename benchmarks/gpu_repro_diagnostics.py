@@ -36,7 +36,6 @@ import optax  # noqa: E402
 
 from fp4jax import gemm_errors as diag  # noqa: E402
 from fp4jax.models.llama import Llama, llama_config  # noqa: E402
-from fp4jax.ops import QuantDotGeneral, operand_layouts, to_bfc  # noqa: E402
 
 TINY = dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=64, n_layers=2)
 BUDGET_S = 80.0
@@ -51,25 +50,13 @@ def _model(**overrides) -> tuple[Llama, dict, dict]:
     return model, params, batch
 
 
-def _record_without_perturb(next_fun, args, kwargs, context):
-    """diag._record_operands less the zero perturbation of the output (x and W sown only)."""
-    module = context.module
-    if not (isinstance(module, QuantDotGeneral) and context.method_name == "__call__"):
-        return next_fun(*args, **kwargs)
-    lhs, rhs, dimension_numbers = args[:3]
-    lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dimension_numbers)
-    module.sow(diag._OPERANDS, "x", to_bfc(lhs, lhs_layout))
-    module.sow(diag._OPERANDS, "w", to_bfc(rhs, rhs_layout))
-    return next_fun(*args, **kwargs)
-
-
 def _capture_without_perturb(model_cfg, params, batch):
     model = Llama(dataclasses.replace(model_cfg, scan_layers=False), recipe="bf16")
     params = diag.per_block_params(params, model_cfg)
 
     def loss(p):
-        with nn.intercept_methods(_record_without_perturb):
-            logits, sown = model.apply({"params": p}, batch["inputs"], mutable=[diag._OPERANDS])
+        with nn.intercept_methods(functools.partial(diag.record_operands, perturb=False)):  # x and W only
+            logits, sown = model.apply({"params": p}, batch["inputs"], mutable=[diag.OPERANDS])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
         return losses.mean(), sown
 

@@ -71,6 +71,7 @@ __all__ = [
     "GEMMS",
     "GEMM_INDEX",
     "LAYER_KINDS",
+    "OPERANDS",
     "OPERAND_NAMES",
     "OUTPUT_NAMES",
     "LayerOperands",
@@ -85,6 +86,7 @@ __all__ = [
     "operand_stats",
     "per_block_params",
     "quantized_output",
+    "record_operands",
     "reference_output",
     "summarize",
 ]
@@ -95,7 +97,7 @@ OUTPUT_NAMES = {"fprop": "y", "dgrad": "dx", "wgrad": "dW"}
 LAYER_KINDS = ("q", "k", "v", "o", "gate", "up", "down")
 DIAG_BACKEND = "emulate"  # the reference numerics; `native` is tested equal to it
 
-_OPERANDS = "diag_operands"  # sown x and W
+OPERANDS = "diag_operands"  # the collection record_operands sows x and W into
 _COTANGENTS = "diag_cotangents"  # zero perturbations of each layer's output; their gradient is dy
 _EXP_SENTINEL = 1 << 20
 
@@ -114,16 +116,19 @@ class LayerOperands:
     dy: jax.Array
 
 
-def _record_operands(next_fun, args, kwargs, context):
-    """Interceptor: records each QuantDotGeneral call's operands and tags its output for dy."""
+def record_operands(next_fun, args, kwargs, context, *, perturb: bool = True):
+    """Interceptor (nn.intercept_methods): sows each QuantDotGeneral call's operands into OPERANDS as x and
+    w in canonical (B, F, C) layout, and with `perturb` tags its output y with a zero perturbation (in the
+    private cotangents collection) whose gradient is dy. Other modules' methods run unchanged."""
     module = context.module
     if not (isinstance(module, QuantDotGeneral) and context.method_name == "__call__"):
         return next_fun(*args, **kwargs)
     lhs, rhs, dimension_numbers = args[:3]
     lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dimension_numbers)
-    module.sow(_OPERANDS, "x", to_bfc(lhs, lhs_layout))
-    module.sow(_OPERANDS, "w", to_bfc(rhs, rhs_layout))
-    return module.perturb("y", next_fun(*args, **kwargs), collection=_COTANGENTS)
+    module.sow(OPERANDS, "x", to_bfc(lhs, lhs_layout))
+    module.sow(OPERANDS, "w", to_bfc(rhs, rhs_layout))
+    out = next_fun(*args, **kwargs)
+    return module.perturb("y", out, collection=_COTANGENTS) if perturb else out
 
 
 def per_block_params(params: Any, model_cfg: LlamaConfig) -> dict:
@@ -159,8 +164,8 @@ def capture_operands(model_cfg: LlamaConfig, params: Any, batch: dict) -> tuple[
 
     def run(cotangents):
         variables = {"params": params} if cotangents is None else {"params": params, _COTANGENTS: cotangents}
-        mutable = [_OPERANDS] if cotangents is not None else [_OPERANDS, _COTANGENTS]
-        with nn.intercept_methods(_record_operands):
+        mutable = [OPERANDS] if cotangents is not None else [OPERANDS, _COTANGENTS]
+        with nn.intercept_methods(record_operands):
             logits, sown = model.apply(variables, batch["inputs"], mutable=mutable)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
         return losses.mean(), sown
@@ -169,7 +174,7 @@ def capture_operands(model_cfg: LlamaConfig, params: Any, batch: dict) -> tuple[
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     loss, vjp, sown = jax.vjp(run, zeros, has_aux=True)
     (cotangents,) = vjp(jnp.ones_like(loss))
-    return loss, _group_by_layer(sown[_OPERANDS], cotangents)
+    return loss, _group_by_layer(sown[OPERANDS], cotangents)
 
 
 def _group_by_layer(operands: dict, cotangents: dict) -> dict[tuple[int, str], LayerOperands]:

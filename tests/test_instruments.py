@@ -3,6 +3,8 @@ line runs, the update metrics on hand-computable AdamW steps, and the command on
 
 import json
 import math
+import os
+import shutil
 
 import flax.linen as nn
 import jax
@@ -297,7 +299,23 @@ def test_checkpoint_state_is_the_runs_own(good_run):
 def test_command_names_the_steps_a_run_has_and_the_stages(good_run, tmp_path, capsys):
     argv = ["instruments", "--run", str(good_run), "--out", str(tmp_path), "--steps", "5"]
     assert main(argv) == 2
-    assert "has no checkpoint of step 5: it has 2, 4, 6" in capsys.readouterr().err
+    assert "has no checkpoint at step 5 (it has: 2, 4, 6); set --steps" in capsys.readouterr().err
     argv = ["instruments", "--run", str(good_run), "--out", str(tmp_path), "--stages", "wgrad,wgrad"]
     assert main(argv) == 2
     assert "give distinct ones of fprop, dgrad, wgrad" in capsys.readouterr().err
+
+
+def test_command_refuses_a_checkpoint_that_fails_its_manifest(good_run, tmp_path, capsys):
+    """A step whose file was changed in place (same size) is a one-line error, exit 2, before any model."""
+    run = tmp_path / "run"
+    shutil.copytree(good_run / "checkpoints" / "2", run / "checkpoints" / "2")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(run / "checkpoints" / "2" / "state") for f in fs]
+    with open(max(files, key=os.path.getsize), "r+b") as f:
+        head = f.read(64)
+        f.seek(0)
+        f.write(bytes(255 - b for b in head))
+    argv = ["instruments", "--run", str(run), "--out", str(tmp_path / "out"), "--steps", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--run checkpoint {run / 'checkpoints' / '2'} is bad: " in err and "choose another step" in err
+    assert err.count("\n") == 1

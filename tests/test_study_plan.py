@@ -15,29 +15,39 @@ from fp4jax.study import plan, runner, runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
-TINY_PLAN = """
-name = "tiny"
+
+
+def _stage(name: str, arms: dict[str, str], *, seeds=(0, 1), backend: str = "auto", extra: str = "") -> str:
+    """One [[stages]] block of the tiny plans (the gate's design, config, horizon and LR): `extra` lines
+    go before its arms."""
+    arm_lines = "".join(f'{arm} = "{recipe}"\n' for arm, recipe in arms.items())
+    return f"""
 [[stages]]
-name = "gate"
+name = "{name}"
 design = "scratch_paired"
 config = "configs/tiny_c4_h16.py"
 baseline = "a"
-seeds = [0, 1]
+seeds = {list(seeds)}
 steps = 4
 warmup_steps = 1
 peak_lr = 1e-3
-backend = "auto"
+backend = "{backend}"
 run_minutes = 0.01
-[stages.arms]
-a = "fp8"
-b = "mxfp4_full"
-[stages.gate]
+{extra}[stages.arms]
+{arm_lines}"""
+
+
+TINY_PLAN = (
+    '\nname = "tiny"'
+    + _stage("gate", {"a": "fp8", "b": "mxfp4_full"})
+    + """[stages.gate]
 arm = "b"
 against = "a"
 last_evals = 2
 smallest_overhead = 0.05
 sigmas = 2.0
 """
+)
 # A trainer that finishes at once: evals falling as 5 - ln(tokens) / 10, arm b 0.01 nats higher.
 FINISHER = """
 import json, math, os, sys
@@ -227,37 +237,9 @@ def test_arm_runs_only_the_named_arms_and_an_unknown_arm_is_one_line(tiny_plan, 
 
 # A second stage after the gate: arm a is the gate's arm a (same config, recipe, horizon, LR, overrides,
 # seeds), arm c is new; a third stage repeats arm a under another GEMM back end (a different run).
-SHARED_STAGES = """
-[[stages]]
-name = "again"
-design = "scratch_paired"
-config = "configs/tiny_c4_h16.py"
-baseline = "a"
-seeds = [0, 1]
-steps = 4
-warmup_steps = 1
-peak_lr = 1e-3
-backend = "auto"
-run_minutes = 0.01
-requires = ["gate"]
-[stages.arms]
-a = "fp8"
-c = "mxfp4_full_h16"
-
-[[stages]]
-name = "emulated"
-design = "scratch_paired"
-config = "configs/tiny_c4_h16.py"
-baseline = "a"
-seeds = [0]
-steps = 4
-warmup_steps = 1
-peak_lr = 1e-3
-backend = "emulate"
-run_minutes = 0.01
-[stages.arms]
-a = "fp8"
-"""
+SHARED_STAGES = _stage("again", {"a": "fp8", "c": "mxfp4_full_h16"}, extra='requires = ["gate"]\n') + _stage(
+    "emulated", {"a": "fp8"}, seeds=(0,), backend="emulate"
+)
 # FINISHER, plus the files a real run leaves: its metrics and a checkpoint (which a reuse leaves behind).
 FINISHER_WITH_FILES = (
     FINISHER

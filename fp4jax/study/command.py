@@ -11,6 +11,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from fp4jax.training.errors import UserError
+
 __all__ = ["run_command"]
 
 
@@ -23,7 +25,7 @@ def run_command(command: Callable[[], None], name: str) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         command()
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, UserError) as exc:  # UserError: a checkpoint that fails its check
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -48,7 +48,7 @@ from fp4jax import diagnose, gemm_errors
 from fp4jax.models.llama import Llama, padded_vocab_size
 from fp4jax.ops import GemmSpec, Recipe, resolve_execution
 from fp4jax.ops.recipes import MXFP4, resolve_recipe
-from fp4jax.training import checkpoint, integrity, setup
+from fp4jax.training import checkpoint, setup
 from fp4jax.training.optimizer import make_optimizer
 from fp4jax.training.state import make_init_fn, token_losses
 
@@ -69,7 +69,6 @@ __all__ = [
     "run_instruments",
     "sq_norms",
     "stage_recipe",
-    "step_dirs",
     "table",
     "update_fn",
     "update_metrics",
@@ -265,25 +264,11 @@ def update_fn(tx) -> Callable:
 # checkpoints of a run directory
 
 
-def step_dirs(run_dir: str) -> dict[int, str]:
-    """{step: directory} of a run directory's checkpoints (or of a checkpoints/ directory itself)."""
-    base = checkpoint.checkpoints_dir(run_dir)
-    found = integrity.step_dirs(base if os.path.isdir(base) else run_dir)
-    if not found:
-        raise ValueError(f"no checkpoints under {run_dir}: give a run directory (it holds checkpoints/)")
-    return found
-
-
 def _step_dir(run_dir: str, step: int) -> str:
-    found = step_dirs(run_dir)
-    if step not in found:
-        raise ValueError(
-            f"{run_dir} has no checkpoint of step {step}: it has {', '.join(map(str, sorted(found)))}"
-        )
-    problem = integrity.verify(found[step]) if integrity.has_manifest(found[step]) else None
-    if problem is not None:
-        raise ValueError(f"checkpoint {found[step]} fails its manifest ({problem}): choose another step")
-    return found[step]
+    """Checkpoint `step` of the run, verified: the branch's lookup and check (fp4jax.training.checkpoint)."""
+    step_dir = checkpoint.run_step_dir(run_dir, step, label="--run", fix="set --steps to some of them")
+    checkpoint.verify_step_dir(step_dir, "--run", "choose another step")
+    return step_dir
 
 
 def _manager(run_dir: str):
@@ -335,7 +320,7 @@ def run_instruments(
     python -m fp4jax.diagnose), the same at every step; batch default: the run's global batch (the
     minibatch noise of one update), seq_len default: the run's.
     """
-    steps = sorted(steps or step_dirs(run_dir))
+    steps = sorted(steps or checkpoint.run_step_dirs(run_dir, "--run"))
     if not stages or len(set(stages)) < len(stages):
         raise ValueError(f"--stages {','.join(stages)!r}: give distinct ones of {', '.join(STAGES)}")
     for stage in stages:

@@ -28,11 +28,10 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fp4jax.training import checkpoint, integrity
-from fp4jax.training.errors import CheckpointError, ConfigError
+from fp4jax.training.errors import ConfigError
 from fp4jax.training.summary import say
 
 __all__ = ["check_config", "merge_fp8_meta", "source_step_dir", "start_branch"]
@@ -64,25 +63,16 @@ def check_config(config, workdir: str) -> None:
 def source_step_dir(init_from: str, step: int) -> str:
     """The directory of checkpoint `step` of the run at `init_from` (its workdir or its checkpoints/);
     ConfigError naming the steps it has when there is no such checkpoint."""
-    path = os.path.abspath(init_from)
-    ckpts = path if os.path.basename(path) == "checkpoints" else os.path.join(path, "checkpoints")
-    if not os.path.isdir(ckpts):
-        raise ConfigError(f"init_from {init_from} has no checkpoints/ directory; pass a run's workdir")
-    steps = integrity.step_dirs(ckpts)
-    if step not in steps:
-        have = ", ".join(str(s) for s in sorted(steps)) or "none"
-        raise ConfigError(
-            f"init_from {init_from} has no checkpoint at step {step} (it has: {have}); set "
-            "--config.init_from_step to one of them"
-        )
-    return steps[step]
+    return checkpoint.run_step_dir(
+        init_from, step, label="init_from", fix="set --config.init_from_step to one of them"
+    )
 
 
 def start_branch(config, abstract_state, train_iter) -> checkpoint.Restored:
     """The branch's starting state (see the module docstring) with the data iterator set to the source's
     position; meta holds only branched_from."""
     step_dir = source_step_dir(config.init_from, config.init_from_step)
-    _verify(step_dir)
+    checkpoint.verify_step_dir(step_dir, "init_from", "branch from another step")
     saved = _saved_tree(step_dir)
     _check_params(saved["params"], abstract_state.params, step_dir)
     replicated = NamedSharding(_mesh_of(abstract_state), PartitionSpec())
@@ -129,24 +119,6 @@ def merge_fp8_meta(source: dict, abstract: dict) -> tuple[dict, int]:
         return jax.device_put(np.zeros(spec.shape, spec.dtype), spec.sharding)
 
     return jax.tree_util.tree_map_with_path(leaf, abstract), carried
-
-
-def _verify(step_dir: str) -> None:
-    """CheckpointError unless the step's manifest verifies (process 0 reads it, every process gets its
-    answer); a step without a manifest is restored unverified, with a warning (as on resume)."""
-    problem = None
-    if jax.process_index() == 0:
-        if not integrity.has_manifest(step_dir):
-            log.warning(f"init_from checkpoint {step_dir} has no manifest: restoring it unverified")
-        else:
-            problem = integrity.verify(step_dir)
-    bad = problem is not None
-    if jax.process_count() > 1:
-        bad = bool(multihost_utils.broadcast_one_to_all(np.int32(bad)))
-    if bad:
-        raise CheckpointError(
-            f"init_from checkpoint {step_dir} is bad: {problem or 'see process 0'}; branch from another step"
-        )
 
 
 def _saved_tree(step_dir: str) -> dict:

@@ -23,19 +23,24 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from fp4jax.data import DataError
 from fp4jax.training import distributed, integrity
-from fp4jax.training.errors import CheckpointError, DiskFullError
+from fp4jax.training.errors import CheckpointError, ConfigError, DiskFullError
 
 __all__ = [
     "Restored",
     "abstract_like",
+    "checkpoints_dir",
     "finish",
     "make_manager",
     "open_init_checkpoint",
     "restore_newest_good",
+    "run_step_dir",
+    "run_step_dirs",
     "save",
+    "verify_step_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,7 @@ META_KEYS = ("evals", "target_step")
 
 
 def checkpoints_dir(workdir: str) -> str:
+    """<workdir>/checkpoints, absolute: where a run's step directories are."""
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
@@ -330,3 +336,46 @@ def open_init_checkpoint(path: str) -> tuple[ocp.CheckpointManager, int | None]:
         path = os.path.join(path, "checkpoints")
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     return ocp.CheckpointManager(path, options=options, item_names=ITEMS), max_step
+
+
+# ----------------------------------------------------------------------------------------------------
+# another run's checkpoints, read by step (a branch's source, the study's instruments)
+
+
+def run_step_dirs(run: str, label: str) -> dict[int, str]:
+    """{step: directory} of the checkpoints of the run at `run`: its workdir (which holds checkpoints/) or
+    a checkpoints directory itself. ConfigError (a ValueError) of one line when there is none; `label`
+    names the option that gave `run` (e.g. "init_from")."""
+    base = checkpoints_dir(run)
+    found = integrity.step_dirs(base if os.path.isdir(base) else os.path.abspath(run))
+    if not found:
+        raise ConfigError(f"{label} {run} has no checkpoints/ with a step in it; pass a run's workdir")
+    return found
+
+
+def run_step_dir(run: str, step: int, *, label: str, fix: str) -> str:
+    """The directory of checkpoint `step` of the run at `run` (as `run_step_dirs` finds them), unverified
+    (see `verify_step_dir`); ConfigError of one line naming the steps the run has, ending in `fix` (how the
+    caller's option picks another), when there is no such checkpoint."""
+    steps = run_step_dirs(run, label)
+    if step not in steps:
+        have = ", ".join(str(s) for s in sorted(steps))
+        raise ConfigError(f"{label} {run} has no checkpoint at step {step} (it has: {have}); {fix}")
+    return steps[step]
+
+
+def verify_step_dir(step_dir: str, label: str, fix: str) -> None:
+    """CheckpointError of one line (ending in `fix`) unless the step's manifest verifies: process 0 reads
+    it and every process gets its answer. A step without a manifest passes unverified, with a warning (as
+    on resume)."""
+    problem = None
+    if jax.process_index() == 0:
+        if not integrity.has_manifest(step_dir):
+            log.warning(f"{label} checkpoint {step_dir} has no manifest: restoring it unverified")
+        else:
+            problem = integrity.verify(step_dir)
+    bad = problem is not None
+    if jax.process_count() > 1:
+        bad = bool(multihost_utils.broadcast_one_to_all(np.int32(bad)))
+    if bad:
+        raise CheckpointError(f"{label} checkpoint {step_dir} is bad: {problem or 'see process 0'}; {fix}")
