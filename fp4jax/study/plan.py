@@ -1,7 +1,7 @@
 """A study as data (a TOML plan file) and the budgeted, resumable runner of it.
 
     python -m fp4jax.study run --plan fp4jax/study/plans/proxy125m.toml --root runs/study \
-        --budget-minutes 9 --parallel 2 --gpus 0,0 [--stage calibration] [--set data.path=...]
+        --budget-minutes 9 --parallel 1 --gpus 0 [--stage calibration] [--set data.path=...]
     python -m fp4jax.study report --plan fp4jax/study/plans/proxy125m.toml --root runs/study --out DIR
 
 The plan file: top-level `name`, then `[[stages]]` in the order they run, each with `name`, `design`
