@@ -250,7 +250,9 @@ def group_stats(rows: list[dict]) -> dict:
         "tokens_to_target_n": len(reached),
         "eval_intervals": intervals,
         "tokens_per_s": statistics.fmean(rates) if rates else None,
-        "runs_per_gpu": sharing.pop() if len(sharing) == 1 else None,  # None: mixed or not recorded
+        "runs_per_gpu": next(iter(sharing)) if len(sharing) == 1 else None,  # None: mixed or not recorded
+        # Every run's sharing recorded but not one value: the report says so instead of "not recorded".
+        "gpu_sharings": sorted(sharing) if len(sharing) > 1 and None not in sharing else None,
         "final_eval_loss_mean": final_mean,
         "final_eval_loss_sd": final_sd,
         "runs": rows,

@@ -86,8 +86,13 @@ def tokens_per_s_cell(g: dict) -> str:
     """The rung's mean tokens/s and the GPU sharing it was measured under (runs.gpu_sharing)."""
     if g["tokens_per_s"] is None:
         return "-"
-    n = g.get("runs_per_gpu")
-    where = "sharing not recorded" if n is None else ("alone on its GPU" if n == 1 else f"{n} runs per GPU")
+    n, mixed = g.get("runs_per_gpu"), g.get("gpu_sharings")
+    if mixed:
+        where = f"mixed: {', '.join(map(str, mixed))} runs per GPU"
+    elif n is None:
+        where = "sharing not recorded"
+    else:
+        where = "alone on its GPU" if n == 1 else f"{n} runs per GPU"
     return f"{g['tokens_per_s']:,.0f} ({where})"
 
 
