@@ -289,6 +289,11 @@ def _q(x, key=None, *, axis=-1, block_2d=False, rounding="nearest_even"):
     return quantize_nvfp4(x, axis=axis, block_2d=block_2d, rounding=rounding, key=key)
 
 
+@jax.jit
+def _dequantize(q):
+    return q.dequantize()
+
+
 def _f32_same(got, want) -> np.ndarray:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     return (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
@@ -312,8 +317,9 @@ def assert_matches(q: NVFP4Array, ref, what: str, transpose: bool = False):
         raise AssertionError(
             f"{what}: {bad.sum()} codes differ; at {i} got {codes[i]:#x} want {ref['codes'][i]:#x}"
         )
-    same = _f32_same(t(q.dequantize()), ref["deq"])
-    assert same.all(), f"{what}: dequantized values differ at {np.argwhere(~same)[:4].tolist()}"
+    for how, deq in (("eager", q.dequantize()), ("jitted", _dequantize(q))):
+        same = _f32_same(t(deq), ref["deq"])
+        assert same.all(), f"{what}: {how} dequantized values differ at {np.argwhere(~same)[:4].tolist()}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -465,3 +471,8 @@ def test_nvfp4_array_is_a_pytree_and_dequantizes_to_bfloat16():
     assert (out.axis, out.block_size, out.block_2d) == (1, BS, False)
     got = np.asarray(jax.jit(lambda a: a.dequantize(jnp.bfloat16))(q))
     np.testing.assert_array_equal(got, np.asarray(q.dequantize()).astype(ml_dtypes.bfloat16))
+
+
+def test_bfloat16_input_is_quantized_from_its_float32_values():
+    x = CASES["odd_scales"]().astype(ml_dtypes.bfloat16)
+    assert_matches(_q(jnp.asarray(x)), ref_nvfp4(x.astype(np.float32), 1), "bf16 input")

@@ -17,7 +17,8 @@ zero explicitly (inputs and intermediates), so every back end computes the same;
 amax >= 2^-96 no intermediate is subnormal and the result is TE's (tests/test_nvfp4.py).
 
 Blocks: 1D blocks are block_size contiguous elements along `axis`; 2D blocks are block_size x
-block_size tiles of the last two axes (weights: quantizing W and W^T gives the same values).
+block_size tiles of the last two axes (weights: under nearest rounding, quantizing W and W^T gives the
+same values; stochastic rounding draws its bits in the layout with `axis` last, so not the same ones).
 """
 
 from __future__ import annotations
