@@ -147,6 +147,14 @@ def _to_blocks(x_last: jax.Array, block_size: int, block_2d: bool) -> tuple[jax.
     return x_last.reshape(*lead[:-1], m // block_size, block_size, n // block_size, block_size), (-3, -1)
 
 
+def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(s_b as float8_e4m3fn, e_b as float32) of blocks with absolute maxima block_amax: TE's steps."""
+    s_b = jnp.minimum(block_amax * (global_scale * jnp.float32(_RCP_6)), _E4M3_MAX)
+    s_b = s_b.astype(jnp.float8_e4m3fn)  # round to nearest even; the clip above is the saturation
+    block_decode = _flush(s_b.astype(jnp.float32) * _decode_scale(global_scale))
+    return s_b, jnp.minimum(jnp.float32(1.0) / block_decode, _F32_MAX)  # 1 / 0 = inf -> FLT_MAX
+
+
 def quantize_nvfp4(
     x: jax.Array,
     *,
@@ -176,10 +184,7 @@ def quantize_nvfp4(
     global_scale = nvfp4_global_scale(jnp.max(magnitudes))
     block_amax = jnp.max(magnitudes, axis=block_axes, keepdims=True)
 
-    s_b = jnp.minimum(block_amax * (global_scale * jnp.float32(_RCP_6)), _E4M3_MAX)
-    s_b = s_b.astype(jnp.float8_e4m3fn)
-    block_decode = _flush(s_b.astype(jnp.float32) * _decode_scale(global_scale))
-    encode = jnp.minimum(jnp.float32(1.0) / block_decode, _F32_MAX)
+    s_b, encode = _block_scales(block_amax, global_scale)
     y = jnp.minimum(jnp.abs(_flush(xs * encode)), _E2M1_MAX)
     random_bits = None
     if rounding == "stochastic":
