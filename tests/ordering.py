@@ -38,6 +38,7 @@ SLOW_MODULES = {
     "test_configs.py": 16,
     "test_study_branching.py": 32,
     "test_distributed.py": 12,
+    "test_formats_mxfp6.py": 11,
 }
 
 

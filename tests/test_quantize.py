@@ -349,7 +349,7 @@ def test_quantize_mx_errors():
         quantize_mx(jnp.ones((48, 4)), axis=-2, block_size=32)
     assert "48" in str(err.value) and "32" in str(err.value)
     with pytest.raises(ValueError):
-        quantize_mx(x, elem="e3m2", block_size=16)
+        quantize_mx(x, elem="e3m4", block_size=16)
     with pytest.raises(ValueError):
         quantize_mx(x, elem="int4", block_size=16)
     with pytest.raises(ValueError):

@@ -8,10 +8,10 @@ re-export of the model-facing subset:
     from fp4jax.ops import mx_dot   # mx_dot.mx_dot_general, mx_dot.QuantDotGeneral, ...
     from fp4jax.ops import mx_dot_general, QuantDotGeneral, NnxQuantDotGeneral, make_dot_general
 
-Groups: formats and recipes (what to compute); quantizers (quantize_mx, quantize_fp8, rotate_quantize
-with its KernelConfig, the fold); the quantized dot_general and its per-GEMM steps (quantize_gemm_operands,
-rotated_gemm_operands, multiply_gemm_operands); GEMM back ends and this device (resolve_execution,
-describe_device, choose_backend, ...).
+Groups: formats and recipes (what to compute); quantizers (quantize_mx, quantize_fp8, quantize_nvfp4,
+rotate_quantize with its KernelConfig, the fold); the quantized dot_general and its per-GEMM steps
+(quantize_gemm_operands, rotated_gemm_operands, multiply_gemm_operands); GEMM back ends and this device
+(resolve_execution, describe_device, choose_backend, ...).
 """
 
 # `fp4jax.ops.mx_dot` is the module of the quantized dot_general's public names (mx_dot.py), never a
@@ -35,6 +35,7 @@ from fp4jax.ops.kernels.probes import (
     scaled_in_epilogue,
 )
 from fp4jax.ops.kernels.tile_math import hadamard_rotate
+from fp4jax.ops.nvfp4 import NVFP4Array, nvfp4_global_scale, quantize_nvfp4
 from fp4jax.ops.quantize import (
     FP8Array,
     MXArray,
@@ -83,6 +84,7 @@ __all__ = [
     "GemmSpec",
     "KernelConfig",
     "MXArray",
+    "NVFP4Array",
     "NnxQuantDotGeneral",
     "QuantDotGeneral",
     "QuantSpec",
@@ -110,6 +112,7 @@ __all__ = [
     "make_dot_general",
     "matmul",
     "multiply_gemm_operands",
+    "nvfp4_global_scale",
     "mx_dot",
     "mx_dot_general",
     "operand_layouts",
@@ -117,6 +120,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_gemm_operands",
     "quantize_mx",
+    "quantize_nvfp4",
     "random_signs",
     "resolve_execution",
     "resolve_recipe",

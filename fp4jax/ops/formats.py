@@ -1,12 +1,18 @@
 """Element formats of the OCP Microscaling (MX) v1.0 spec and FP8, with the constants the quantizers need.
 
-Every element format here is a small float with 1 sign bit, `mantissa_bits` explicit mantissa bits and
-normal exponents in [emin, emax]. Its representable magnitudes are the grid
+MXFP4 (E2M1), MXFP6 (E2M3, E3M2) and MXFP8 (E4M3, E5M2) elements. Every element format here is a small
+float with 1 sign bit, `mantissa_bits` explicit mantissa bits and normal exponents in [emin, emax]. Its
+representable magnitudes are the grid
 
     {k * 2^(q - mantissa_bits) : q = max(floor(log2|v|), emin)}  up to max_value,
 
 which is what `quantize.round_to_grid` rounds onto. None of the formats has an infinity we ever produce:
 values beyond `max_value` saturate.
+
+Storage. XLA (this JAX) has no 6-bit float arrays, so E2M3 and E3M2 data are held as float8_e4m3fn, which
+represents every E2M3 and E3M2 value exactly (3 mantissa bits >= 3 and 2; exponents 2^-9 .. 2^8 cover
+2^-3 .. 7.5 and 2^-4 .. 28): `dtype` is what arrays hold, `code_dtype` the format's own ml_dtypes type,
+whose bit patterns are the 6-bit codes (`np.asarray(data).astype(fmt.code_dtype)` is exact).
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from typing import Any
 import jax.numpy as jnp
 
 __all__ = [
+    "ALL_ELEM_FORMATS",
     "E2M1",
+    "E2M3",
+    "E3M2",
     "E4M3",
     "E5M2",
     "ELEM_FORMATS",
@@ -51,7 +60,9 @@ F32_INF_BITS = 0x7F800000
 
 @dataclasses.dataclass(frozen=True)
 class ElemFormat:
-    """One element format. `emax` is the exponent of the largest binade (OCP's emax_elem)."""
+    """One element format. `emax` is the exponent of the largest binade (OCP's emax_elem); `dtype` is the
+    array dtype its data are stored in, `code_dtype` the format's own dtype (the same unless wider storage
+    is needed, see the module docstring)."""
 
     name: str
     dtype: Any
@@ -59,13 +70,28 @@ class ElemFormat:
     emin: int
     mantissa_bits: int
     max_value: float
+    code_dtype: Any = None
+
+    def __post_init__(self):
+        if self.code_dtype is None:
+            object.__setattr__(self, "code_dtype", self.dtype)
 
 
 E2M1 = ElemFormat("e2m1", jnp.float4_e2m1fn, emax=2, emin=0, mantissa_bits=1, max_value=6.0)
+# MXFP6, OCP MX v1.0 section 5.3.2: E2M3 (bias 1, no inf/NaN) and E3M2 (bias 3, no inf/NaN).
+E2M3 = ElemFormat(
+    "e2m3", jnp.float8_e4m3fn, emax=2, emin=0, mantissa_bits=3, max_value=7.5, code_dtype=jnp.float6_e2m3fn
+)
+E3M2 = ElemFormat(
+    "e3m2", jnp.float8_e4m3fn, emax=4, emin=-2, mantissa_bits=2, max_value=28.0, code_dtype=jnp.float6_e3m2fn
+)
 E4M3 = ElemFormat("e4m3", jnp.float8_e4m3fn, emax=8, emin=-6, mantissa_bits=3, max_value=448.0)
 E5M2 = ElemFormat("e5m2", jnp.float8_e5m2, emax=15, emin=-14, mantissa_bits=2, max_value=57344.0)
 
+# The formats the GEMM recipes take (recipes.QuantSpec): MXFP4, MXFP8 and FP8.
 ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E2M1, E4M3, E5M2)}
+# Every format the quantizers take: also MXFP6 (quantize_mx only; not yet a recipe's operand).
+ALL_ELEM_FORMATS: dict[str, ElemFormat] = {**ELEM_FORMATS, E2M3.name: E2M3, E3M2.name: E3M2}
 
 
 def require_power_of_two(n: int, what: str) -> None:
@@ -79,12 +105,12 @@ def require_power_of_two(n: int, what: str) -> None:
 
 
 def get_elem_format(name: str | ElemFormat) -> ElemFormat:
-    """Looks up an element format by name ("e2m1", "e4m3", "e5m2")."""
+    """Looks up an element format by name ("e2m1", "e2m3", "e3m2", "e4m3", "e5m2")."""
     if isinstance(name, ElemFormat):
         return name
     try:
-        return ELEM_FORMATS[name]
-    except KeyError:
+        return ALL_ELEM_FORMATS[name]
+    except (KeyError, TypeError):
         raise ValueError(
-            f"unknown element format {name!r}: use one of {', '.join(sorted(ELEM_FORMATS))}"
+            f"unknown element format {name!r}: use one of {', '.join(sorted(ALL_ELEM_FORMATS))}"
         ) from None

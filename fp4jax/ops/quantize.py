@@ -249,6 +249,9 @@ def quantize_mx(
 ) -> MXArray:
     """Quantizes x into MX blocks along `axis` (OCP MX v1.0; docs/numerics.md).
 
+    elem: "e2m1" (MXFP4), "e2m3" or "e3m2" (MXFP6, stored as float8_e4m3fn: formats.py), "e4m3" or
+    "e5m2" (MXFP8).
+
     Invariant: quantize_mx(x).dequantize() rounds each prescale * x / 2^e onto the element grid, with e
     the block's shared exponent chosen from x itself; a block holding NaN or +-Inf gets a NaN scale (and
     +0 data). So the result represents prescale * x: with prescale 3/4 and the floor or even rule no
@@ -324,8 +327,10 @@ def quantize_fp8(x: jax.Array, *, elem: str = "e4m3", scale: jax.Array | None = 
     twice and fail there).
     """
     fmt = get_elem_format(elem)
-    if fmt.name == "e2m1":
-        raise ValueError("quantize_fp8 takes elem 'e4m3' or 'e5m2'; e2m1 is an MX element (quantize_mx)")
+    if fmt.name not in ("e4m3", "e5m2"):
+        raise ValueError(
+            f"quantize_fp8 takes elem 'e4m3' or 'e5m2'; {fmt.name} is an MX element (quantize_mx)"
+        )
     x = jnp.asarray(x, jnp.float32)
     scale = fp8_scale_from_amax(amax(x), elem) if scale is None else jnp.asarray(scale, jnp.float32)
     y = x * scale

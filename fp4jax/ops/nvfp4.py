@@ -1,0 +1,205 @@
+"""NVFP4: E2M1 elements, one E4M3 scale per block of 16, one float32 scale per tensor (docs/numerics.md).
+
+The rule is Transformer Engine's NVFP4 quantizer (its CUDA kernel, core_nvfp4.cuh, and its Python
+reference), step for step in float32, as NVIDIA's NVFP4 pre-training recipe (arXiv 2509.25149) uses it:
+
+    S_enc = 448 * 6 / amax(x)          FLT_MAX where the quotient overflows, 1 where amax = 0
+    S_dec = 1 / S_enc
+    s_b   = E4M3(min(amax_b * (S_enc * float32(1/6)), 448))   round to nearest even (saturating)
+    e_b   = min(1 / (s_b * S_dec), FLT_MAX)                    FLT_MAX for a zero scale
+    q     = E2M1(min(|x * e_b|, 6)) with x's sign               nearest even, or stochastic
+    value = (q * s_b) * S_dec                                   q * s_b exact, then one rounding
+
+Every float32 operation above rounds to nearest once (XLA's multiply, and its divide of two arrays of
+one shape, are IEEE on CPUs and GPUs; a divide by a broadcast value is not on XLA:CPU, so none is used).
+Float32 subnormals, which XLA's CPU back end flushes in arithmetic and a GPU may keep, are flushed to
+zero explicitly (inputs and intermediates), so every back end computes the same; for tensors with
+amax >= 2^-96 no intermediate is subnormal and the result is TE's (tests/test_nvfp4.py).
+
+Blocks: 1D blocks are block_size contiguous elements along `axis`; 2D blocks are block_size x
+block_size tiles of the last two axes (weights: under nearest rounding, quantizing W and W^T gives the
+same values; stochastic rounding draws its bits in the layout with `axis` last, so not the same ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp4jax.ops import formats
+from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, F32_SIGN_MASK, require_power_of_two
+from fp4jax.ops.quantize import round_to_grid, stochastic_bits
+
+__all__ = [
+    "NVFP4Array",
+    "NVFP4_BLOCK_SIZE",
+    "NVFP4_ROUNDING_MODES",
+    "nvfp4_global_scale",
+    "quantize_nvfp4",
+]
+
+NVFP4_BLOCK_SIZE = 16
+NVFP4_ROUNDING_MODES = ("nearest_even", "stochastic")
+
+_E2M1_MAX = 6.0
+_E4M3_MAX = 448.0
+_F32_MAX = float(np.finfo(np.float32).max)
+_RCP_6 = float(np.float32(1.0 / 6.0))  # TE folds float32(1/6) into S_enc rather than dividing by 6
+_F32_MIN_NORMAL_BITS = 0x00800000
+_E4M3_NAN_BITS = 0x7F
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _flush(v: jax.Array) -> jax.Array:
+    """v with float32 subnormals replaced by a zero of their sign (what flush-to-zero does, made explicit)."""
+    bits = _bits(v)
+    signed_zero = lax.bitcast_convert_type(bits & F32_SIGN_MASK, jnp.float32)
+    return jnp.where((bits & F32_ABS_MASK) < _F32_MIN_NORMAL_BITS, signed_zero, v)
+
+
+def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
+    """S_enc = 448 * 6 / amax in float32: FLT_MAX where that overflows, 1 where amax is 0 (TE's rule)."""
+    a = jnp.asarray(tensor_amax, jnp.float32)
+    positive = a > 0
+    quotient = jnp.float32(_E4M3_MAX * _E2M1_MAX) / jnp.where(positive, a, 1.0)
+    return jnp.where(positive, jnp.minimum(quotient, _F32_MAX), jnp.float32(1.0))
+
+
+def _decode_scale(global_scale: jax.Array) -> jax.Array:
+    """S_dec = float32(1 / S_enc), flushed to zero below the normal range."""
+    return _flush(jnp.float32(1.0) / global_scale)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Array:
+    """An NVFP4 tensor: E2M1 `data` (x's shape), float8_e4m3fn block `scale`, float32 `global_scale`
+    (S_enc, a scalar).
+
+    1D blocks: scale has x's shape with shape[axis] // block_size. 2D blocks (block_2d): scale has x's
+    shape with each of the last two axes divided by block_size. The value of element i is
+    data[i] * scale[block of i] / global_scale (dequantize); a NaN scale marks a block that held NaN/Inf.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    global_scale: jax.Array
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+    block_2d: bool = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def element_scales(self) -> jax.Array:
+        """Each element's block scale as float32, x's shape (NaN in NaN blocks)."""
+        scale = self.scale.astype(jnp.float32)
+        axes = (scale.ndim - 2, scale.ndim - 1) if self.block_2d else (self.axis,)
+        for axis in axes:
+            scale = jnp.repeat(scale, self.block_size, axis=axis)
+        return scale
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        """(data * block scale) * float32(1 / global_scale): the product exact, then one float32 rounding
+        (subnormal results flushed to zero); NaN for every element of a NaN block."""
+        values = self.data.astype(jnp.float32) * self.element_scales()
+        return _flush(values * _decode_scale(self.global_scale)).astype(dtype)
+
+
+def _check_nvfp4_args(x: jax.Array, axis: int, block_size: int, block_2d: bool, rounding: str, key) -> int:
+    require_power_of_two(block_size, "block_size")
+    if rounding not in NVFP4_ROUNDING_MODES:
+        choices = ", ".join(NVFP4_ROUNDING_MODES)
+        raise ValueError(f"unknown rounding {rounding!r} for NVFP4: use one of {choices}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}")
+    axis %= x.ndim
+    if block_2d and (x.ndim < 2 or axis < x.ndim - 2):
+        raise ValueError(
+            f"2D blocks tile the last two axes: axis {axis} of a rank-{x.ndim} array is not one of them"
+        )
+    for a in (x.ndim - 2, x.ndim - 1) if block_2d else (axis,):
+        if x.shape[a] % block_size:
+            raise ValueError(
+                f"axis {a} has length {x.shape[a]}, not a multiple of block_size {block_size}: pad it first"
+            )
+    return axis
+
+
+def _to_blocks(x_last: jax.Array, block_size: int, block_2d: bool) -> tuple[jax.Array, tuple[int, ...]]:
+    """x_last (block axis last) as (..., nb, bs) for 1D blocks or (..., mb, bs, nb, bs) for 2D tiles of
+    the last two axes, with the axes a block spans."""
+    lead, n = x_last.shape[:-1], x_last.shape[-1]
+    if not block_2d:
+        return x_last.reshape(*lead, n // block_size, block_size), (-1,)
+    m = lead[-1]
+    return x_last.reshape(*lead[:-1], m // block_size, block_size, n // block_size, block_size), (-3, -1)
+
+
+def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(s_b as float8_e4m3fn, e_b as float32) of blocks with absolute maxima block_amax: TE's steps."""
+    s_b = jnp.minimum(block_amax * (global_scale * jnp.float32(_RCP_6)), _E4M3_MAX)
+    s_b = s_b.astype(jnp.float8_e4m3fn)  # round to nearest even; the clip above is the saturation
+    block_decode = _flush(s_b.astype(jnp.float32) * _decode_scale(global_scale))
+    return s_b, jnp.minimum(jnp.float32(1.0) / block_decode, _F32_MAX)  # 1 / 0 = inf -> FLT_MAX
+
+
+def quantize_nvfp4(
+    x: jax.Array,
+    *,
+    axis: int = -1,
+    block_2d: bool = False,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    rounding: str = "nearest_even",
+    key: jax.Array | None = None,
+) -> NVFP4Array:
+    """Quantizes x to NVFP4 along `axis` (the contraction axis), by Transformer Engine's rule (module doc).
+
+    S_enc comes from the largest finite |x| of the whole tensor. A block holding NaN or +-Inf gets a NaN
+    scale and +0 data and leaves the other blocks alone. Stochastic rounding draws
+    stochastic_bits(key, shape of x with `axis` moved last), one per element; it is unbiased for
+    |x * e_b| <= 6, and a block maximum whose E4M3 scale rounded down saturates at 6.
+    """
+    x = jnp.asarray(x)
+    axis = _check_nvfp4_args(x, axis, block_size, block_2d, rounding, key)
+    x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    blocks, block_axes = _to_blocks(x_last, block_size, block_2d)
+
+    abs_bits = _bits(blocks) & F32_ABS_MASK
+    finite = abs_bits < F32_INF_BITS
+    healthy = jnp.all(finite, axis=block_axes, keepdims=True)
+    xs = _flush(jnp.where(finite, blocks, 0.0))
+    magnitudes = jnp.abs(xs)
+    global_scale = nvfp4_global_scale(jnp.max(magnitudes))
+    block_amax = jnp.max(magnitudes, axis=block_axes, keepdims=True)
+
+    s_b, encode = _block_scales(block_amax, global_scale)
+    y = jnp.minimum(jnp.abs(_flush(xs * encode)), _E2M1_MAX)
+    random_bits = None
+    if rounding == "stochastic":
+        random_bits = stochastic_bits(key, x_last.shape).reshape(blocks.shape)
+    magnitude = round_to_grid(y, formats.E2M1, rounding, random_bits=random_bits)
+    signed = jnp.where(_bits(xs) < 0, -magnitude, magnitude)
+    data = jnp.where(healthy, signed, 0.0).astype(formats.E2M1.dtype)
+
+    scale_bits = jnp.where(healthy, lax.bitcast_convert_type(s_b, jnp.uint8), jnp.uint8(_E4M3_NAN_BITS))
+    scale = lax.bitcast_convert_type(jnp.squeeze(scale_bits, block_axes), jnp.float8_e4m3fn)
+    return NVFP4Array(
+        data=jnp.moveaxis(data.reshape(x_last.shape), -1, axis),
+        scale=jnp.moveaxis(scale, -1, axis),
+        global_scale=global_scale,
+        axis=axis,
+        block_size=block_size,
+        block_2d=block_2d,
+    )
