@@ -438,7 +438,7 @@ def high_precision_layers(model_cfg: LlamaConfig) -> tuple[int, ...]:
 def make_training_probe(
     model: Llama, recipe: str | Recipe, *, n_draws: int = 4, max_sequences: int | None = None
 ):
-    """probe(params, batch, key) -> {"diag/...": float32 scalar}: jitted, no side effects, one value per metric.
+    """probe(params, batch, key) -> {"diag/...": float32 scalar}: jitted, no side effects.
 
     params: the train state's params (scanned or not, boxed or not); batch: {"inputs", "targets"}
     int32[B, T] (one micro-batch; with `max_sequences`, only its first rows are used, which bounds the
