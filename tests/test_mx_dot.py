@@ -688,6 +688,34 @@ def test_literature_presets_match_the_hand_built_gemms_bit_for_bit(name):
         assert (flipped[i] != results[2][i]).any() == rotated, (name, gemm)
 
 
+@pytest.mark.parametrize(
+    "name", sorted(n for n, r in PRESETS.items() if any(getattr(r, g).needs_key for g in GEMMS))
+)
+def test_batched_stage_draws_equal_the_per_gemm_contract(name):
+    """mx_dot makes a call's three GEMMs' draws in batched calls (quantized_dot._stage_keys); each must be
+    the contract's own: split(fold_in(key, GEMM index), 3) = (rotation, lhs, rhs) keys, signs drawn from
+    the rotation key (per_call) or from key(seed) (per_run), for typed and raw keys."""
+    from fp4jax.ops import quantized_dot
+
+    recipe = PRESETS[name]
+    for key in (jax.random.key(7), jax.random.PRNGKey(8)):
+        batched = quantized_dot._stage_keys(recipe, key)
+        for i, gemm_name in enumerate(GEMMS):
+            gemm = getattr(recipe, gemm_name)
+            rotation_key, lhs_key, rhs_key = jax.random.split(jax.random.fold_in(key, i), 3)
+            got = batched[i]
+            for what, g, want in (("lhs", got.a_key, lhs_key), ("rhs", got.c_key, rhs_key)):
+                data = jax.random.key_data if jnp.issubdtype(want.dtype, jax.dtypes.prng_key) else np.asarray
+                np.testing.assert_array_equal(data(g), data(want), err_msg=f"{name} {gemm_name} {what}")
+            rotation = gemm.rotation
+            if rotation.kind != "random":
+                assert got.signs is None, (name, gemm_name)
+                continue
+            sign_key = rotation_key if rotation.needs_key else jax.random.key(rotation.seed)
+            want_signs = random_signs(sign_key, rotation.size)
+            np.testing.assert_array_equal(got.signs, want_signs, err_msg=f"{name} {gemm_name} signs")
+
+
 def test_nvidia_wgrad_signs_are_fixed_for_the_run():
     """mxfp4_nvidia's Wgrad rotation needs no key (per_run); its only randomness is dy's rounding. With dy
     rounded to nearest (a copy of the recipe without SR), two keys give the same Wgrad bit for bit."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -257,13 +257,48 @@ def _rotated_rows(x, axis: int, rotation: RotationSpec, signs) -> jax.Array:
     return rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
 
 
-def _padded_with_keys(a, a_axis: int, c, c_axis: int, gemm: GemmSpec, key):
-    """(a, c) zero-padded along their contraction axes, the rotation's signs, and a key per operand."""
-    a = _pad_contraction(a, a_axis, gemm.contraction_multiple)
-    c = _pad_contraction(c, c_axis, gemm.contraction_multiple)
+class GemmKeys(NamedTuple):
+    """One GEMM's random draws: the rotation's signs (None unless random) and a key per operand (None
+    for deterministic recipes)."""
+
+    signs: jax.Array | None
+    a_key: jax.Array | None
+    c_key: jax.Array | None
+
+
+def _gemm_keys(gemm: GemmSpec, key) -> GemmKeys:
+    """The draws of one GEMM from its key: split into (rotation, lhs, rhs) keys, signs from the first."""
     rotation_key, a_key, c_key = jax.random.split(key, 3) if key is not None else (None, None, None)
-    signs = _rotation_signs(gemm.rotation, rotation_key)  # None unless the signs are random
-    return a, c, signs, a_key, c_key
+    return GemmKeys(_rotation_signs(gemm.rotation, rotation_key), a_key, c_key)
+
+
+def _stage_keys(recipe: Recipe, key) -> tuple[GemmKeys, GemmKeys, GemmKeys]:
+    """Fprop's, Dgrad's and Wgrad's draws: stage s gets exactly _gemm_keys(its GEMM, fold_in(key, s)).
+
+    Derived in batched calls (one for the three fold-ins, one for the three splits, one per size of
+    per-call signs) instead of up to nine tiny ones, because XLA expands every random call into fusions
+    of its own: fewer, batched calls compile to a smaller step (docs/performance.md). vmap changes no
+    value, so the draws are the per-GEMM ones bit for bit. Made in the forward pass; the backward GEMMs'
+    draws are saved with the residuals.
+    """
+    gemms = (recipe.fprop, recipe.dgrad, recipe.wgrad)
+    if key is None:
+        return tuple(_gemm_keys(g, None) for g in gemms)
+    stages = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(3, dtype=jnp.uint32))
+    split = jax.vmap(lambda k: jax.random.split(k, 3))(stages)  # [stage, (rotation, lhs, rhs)]
+    signs = [None if g.rotation.needs_key else _rotation_signs(g.rotation, None) for g in gemms]
+    for size in sorted({g.rotation.size for g in gemms if g.rotation.needs_key}):
+        drawn_for = [i for i, g in enumerate(gemms) if g.rotation.needs_key and g.rotation.size == size]
+        drawn = jax.vmap(lambda k, n=size: random_signs(k, n))(split[jnp.array(drawn_for), 0])
+        for row, i in enumerate(drawn_for):
+            signs[i] = drawn[row]
+    return tuple(GemmKeys(signs[i], split[i, 1], split[i, 2]) for i in range(3))
+
+
+def _padded(a, a_axis: int, c, c_axis: int, gemm: GemmSpec):
+    """(a, c) zero-padded along their contraction axes to the GEMM's contraction multiple."""
+    a = _pad_contraction(a, a_axis, gemm.contraction_multiple)
+    return a, _pad_contraction(c, c_axis, gemm.contraction_multiple)
 
 
 def quantize_gemm_operands(
@@ -277,18 +312,28 @@ def quantize_gemm_operands(
     for the fp8 back end (`backends.quantizer_folds`). `backend` is resolved (not "auto"); `quantizer`
     is a Recipe.quantizer value (`_fused_impl`).
     """
-    a, c, signs, a_key, c_key = _padded_with_keys(a, a_axis, c, c_axis, gemm, key)
+    return _quantize_operands(
+        a, a_axis, c, c_axis, gemm, _gemm_keys(gemm, key), fp8_scales, backend=backend, quantizer=quantizer
+    )
+
+
+def _quantize_operands(a, a_axis, c, c_axis, gemm, keys: GemmKeys, fp8_scales, *, backend, quantizer):
+    """quantize_gemm_operands with the GEMM's draws already made (_gemm_keys or _stage_keys)."""
+    a, c = _padded(a, a_axis, c, c_axis, gemm)
     fold_out = backends.quantizer_folds(gemm.lhs, gemm.rhs, backend)
-    rotation = gemm.rotation
-    qa = _quantize_side(a, a_axis, gemm.lhs, rotation, signs, a_key, fp8_scales[0], fold_out, quantizer)
-    qc = _quantize_side(c, c_axis, gemm.rhs, rotation, signs, c_key, fp8_scales[1], fold_out, quantizer)
+    rotation, signs = gemm.rotation, keys.signs
+    qa = _quantize_side(a, a_axis, gemm.lhs, rotation, signs, keys.a_key, fp8_scales[0], fold_out, quantizer)
+    qc = _quantize_side(c, c_axis, gemm.rhs, rotation, signs, keys.c_key, fp8_scales[1], fold_out, quantizer)
     return qa, qc
 
 
-def _gemm(a, a_axis, c, c_axis, gemm, key, fp8_scales, out_dtype, *, backend: str, quantizer: str, precision):
-    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k."""
-    qa, qc = quantize_gemm_operands(
-        a, a_axis, c, c_axis, gemm, key, fp8_scales, backend=backend, quantizer=quantizer
+def _gemm(
+    a, a_axis, c, c_axis, gemm, keys, fp8_scales, out_dtype, *, backend: str, quantizer: str, precision
+):
+    """out[b, m, n] = sum_k a[.., k ..] c[.., k ..], each operand rotated and quantized along k with the
+    GEMM's draws `keys` (GemmKeys)."""
+    qa, qc = _quantize_operands(
+        a, a_axis, c, c_axis, gemm, keys, fp8_scales, backend=backend, quantizer=quantizer
     )
     return multiply_gemm_operands(qa, qc, gemm, backend=backend, precision=precision, out_dtype=out_dtype)
 
@@ -333,16 +378,13 @@ def rotated_gemm_operands(a, c, gemm: GemmSpec, key, fp8_scales=(None, None)) ->
     unquantized operands kept: what the per-GEMM diagnostics measure against. An unquantized operand is
     its own quantized form; a prescaled MX operand represents prescale * its operand.
     """
-    a, c, signs, a_key, c_key = _padded_with_keys(a, -1, c, -1, gemm, key)
+    a, c = _padded(a, -1, c, -1, gemm)
+    signs, a_key, c_key = _gemm_keys(gemm, key)
     a = _rotated_rows(a, -1, gemm.rotation, signs)
     c = _rotated_rows(c, -1, gemm.rotation, signs)
     qa = quantize_operand(a, gemm.lhs, a_key, fp8_scales[0])
     qc = quantize_operand(c, gemm.rhs, c_key, fp8_scales[1])
     return RotatedOperands(a, c, qa, qc)
-
-
-def _gemm_key(key, stage: int):
-    return None if key is None else jax.random.fold_in(key, stage)
 
 
 def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
@@ -360,14 +402,14 @@ def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
 # the custom_vjp
 
 
-def _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, precision, out_dtype):
     lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
     backend = backends.resolve_backend(recipe.backend)
     out_bmn = _gemm(
         *to_gemm_view(lhs, lhs_layout),
         *to_gemm_view(rhs, rhs_layout),
         recipe.fprop,
-        _gemm_key(key, 0),
+        fprop_keys,
         _fp8_scales(recipe, fp8_meta, "fprop"),
         out_dtype,
         backend=backend,
@@ -380,12 +422,15 @@ def _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
-    return _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
+    fprop_keys = _stage_keys(recipe, key)[0]
+    return _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, precision, out_dtype)
 
 
 def _mx_dot_fwd(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
-    out = _forward(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
-    return out, (lhs, rhs, key, fp8_meta)
+    """The forward, with the backward GEMMs' draws made here with Fprop's (_stage_keys) and saved."""
+    fprop_keys, dgrad_keys, wgrad_keys = _stage_keys(recipe, key)
+    out = _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, precision, out_dtype)
+    return out, (lhs, rhs, (dgrad_keys, wgrad_keys), fp8_meta)
 
 
 def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
@@ -394,7 +439,7 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     Under delayed FP8 scaling the "cotangent" of fp8_meta is the updated amax histories
     (overwrite-with-gradient): the caller replaces its state by it.
     """
-    lhs, rhs, key, fp8_meta = residuals
+    lhs, rhs, (dgrad_keys, wgrad_keys), fp8_meta = residuals
     lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
     backend = backends.resolve_backend(recipe.backend)
     x, x_axis = to_gemm_view(lhs, lhs_layout)
@@ -408,12 +453,8 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
         _fp8_scales(recipe, fp8_meta, "dgrad"),
         _fp8_scales(recipe, fp8_meta, "wgrad"),
     )
-    dx_bmk = gemm(
-        dy_bmn, -1, w, _other_axis(w_axis), recipe.dgrad, _gemm_key(key, 1), dgrad_scales, lhs.dtype
-    )
-    dw_bkn = gemm(
-        x, _other_axis(x_axis), dy_bmn, -2, recipe.wgrad, _gemm_key(key, 2), wgrad_scales, rhs.dtype
-    )
+    dx_bmk = gemm(dy_bmn, -1, w, _other_axis(w_axis), recipe.dgrad, dgrad_keys, dgrad_scales, lhs.dtype)
+    dw_bkn = gemm(x, _other_axis(x_axis), dy_bmn, -2, recipe.wgrad, wgrad_keys, wgrad_scales, rhs.dtype)
     d_lhs = from_bfc(dx_bmk, lhs_layout).astype(lhs.dtype)
     # dw is (B, K, N) = (B, C, F) of W: W's own order when W is contraction-first.
     d_rhs = from_bcf(dw_bkn, rhs_layout).astype(rhs.dtype)
