@@ -15,7 +15,7 @@ from __future__ import annotations
 __all__ = ["DEFAULT_LANE", "LONG_LANE", "deal", "lane_seconds", "run_sizes"]
 
 # Seconds of worker time of each lane's slowest modules (2 cores, 2026-12-03, `--durations`: the default
-# lane alone on an idle machine; the long lane's from a run of the whole suite, which other work slowed).
+# lane on an idle machine, the long lane on one shared with other work).
 # The lanes: tests/long_lane.py. Only an ordering: a stale figure makes the suite slower, never different.
 DEFAULT_LANE = {
     "test_faults.py": 39,
@@ -36,14 +36,14 @@ DEFAULT_LANE = {
     "test_multidevice.py": 9,
 }
 LONG_LANE = {
-    "test_multiprocess.py": 340,
-    "test_multidevice.py": 97,
-    "test_fused_quantize.py": 50,
-    "test_bench_train.py": 47,
-    "test_ladder.py": 46,
-    "test_train.py": 44,
-    "test_instruments.py": 33,
-    "test_gemm_operands.py": 10,
+    "test_multiprocess.py": 480,
+    "test_multidevice.py": 200,
+    "test_fused_quantize.py": 107,
+    "test_bench_train.py": 62,
+    "test_instruments.py": 49,
+    "test_gemm_operands.py": 48,
+    "test_ladder.py": 40,
+    "test_train.py": 33,
 }
 
 
