@@ -126,9 +126,11 @@ def failing_scaled_dot(monkeypatch):
     probes.auto_choice.cache_clear()
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected the other lane's tests
 def pytest_collection_modifyitems(config, items):
-    """Slow modules first, dealt between pytest-xdist's workers (tests/ordering.py); the same order in
-    every worker, as xdist requires."""
+    """Slow modules first, dealt between pytest-xdist's workers (tests/ordering.py) by their seconds in
+    the lane that runs; the same order in every worker, as xdist requires."""
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    order = ordering.deal([os.path.basename(item.path) for item in items], workers)
+    seconds = ordering.lane_seconds(config.getoption("markexpr"))
+    order = ordering.deal([os.path.basename(item.path) for item in items], workers, seconds)
     items[:] = [items[i] for i in order]

@@ -12,34 +12,48 @@ order changes: every collected test runs, and nothing in a test depends on anoth
 
 from __future__ import annotations
 
-__all__ = ["SLOW_MODULES", "deal", "run_sizes"]
+__all__ = ["DEFAULT_LANE", "LONG_LANE", "deal", "lane_seconds", "run_sizes"]
 
-# Seconds of worker time of the slowest modules (`--durations`, 2 cores, 2026-12-03, a shared machine).
-# Only an ordering: a stale figure makes the suite slower, never different.
-SLOW_MODULES = {
-    "test_multiprocess.py": 300,
-    "test_instruments.py": 120,
-    "test_branch.py": 65,
-    "test_train.py": 131,
-    "test_multidevice.py": 131,
-    "test_fused_quantize.py": 92,
-    "test_faults.py": 70,
-    "test_diagnostics.py": 51,
-    "test_flax_adapters.py": 45,
-    "test_fold.py": 42,
-    "test_quantize.py": 40,
-    "test_ladder.py": 36,
-    "test_llama.py": 36,
-    "test_mx_dot.py": 32,
-    "test_bench_train.py": 28,
-    "test_gemm_operands.py": 26,
-    "test_selfcheck.py": 21,
-    "test_readme.py": 19,
-    "test_configs.py": 16,
-    "test_study_branching.py": 32,
-    "test_distributed.py": 12,
+# Seconds of worker time of each lane's slowest modules (2 cores, 2026-12-03, `--durations`: the default
+# lane on an idle machine, the long lane on one shared with other work).
+# The lanes: tests/long_lane.py. Only an ordering: a stale figure makes the suite slower, never different.
+DEFAULT_LANE = {
+    "test_faults.py": 39,
+    "test_train.py": 36,
+    "test_fused_quantize.py": 35,
+    "test_fold.py": 32,
+    "test_diagnostics.py": 27,
+    "test_mx_dot.py": 24,
+    "test_flax_adapters.py": 23,
+    "test_llama.py": 19,
+    "test_branch.py": 18,
+    "test_quantize.py": 17,
+    "test_readme.py": 16,
+    "test_selfcheck.py": 15,
+    "test_gemm_operands.py": 15,
+    "test_instruments.py": 12,
+    "test_configs.py": 10,
+    "test_multidevice.py": 9,
     "test_formats_mxfp6.py": 11,
 }
+LONG_LANE = {
+    "test_multiprocess.py": 480,
+    "test_multidevice.py": 200,
+    "test_fused_quantize.py": 107,
+    "test_bench_train.py": 62,
+    "test_instruments.py": 49,
+    "test_gemm_operands.py": 48,
+    "test_ladder.py": 40,
+    "test_train.py": 33,
+}
+
+
+def lane_seconds(markexpr: str) -> dict[str, float]:
+    """The seconds `deal` orders by for pytest's `-m` expression: one lane's, or both summed (`-m ""`)."""
+    lanes = {"not slow": DEFAULT_LANE, "slow": LONG_LANE}
+    if markexpr.strip() in lanes:
+        return lanes[markexpr.strip()]
+    return {m: DEFAULT_LANE.get(m, 0) + LONG_LANE.get(m, 0) for m in {**DEFAULT_LANE, **LONG_LANE}}
 
 
 def run_sizes(n: int, workers: int) -> list[int]:
@@ -60,7 +74,7 @@ def _pick_run(runs: list[list[int]], sizes: list[int], load: list[float], count:
     return max(range(len(runs)), key=lambda r: sizes[r] - len(runs[r]))
 
 
-def deal(modules: list[str], workers: int, seconds: dict[str, float] = SLOW_MODULES) -> list[int]:
+def deal(modules: list[str], workers: int, seconds: dict[str, float] = DEFAULT_LANE) -> list[int]:
     """A new order of the items whose modules are `modules` (one name per item, in collection order), as
     indices into it: `workers` runs of run_sizes' lengths, each starting with its share of the slow
     modules (longest first, each to the run with the fewest seconds so far that has room for it), then

@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+from long_lane import SLOW
 from tiny_runs import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@SLOW
 def test_each_recipe_runs_in_its_own_process(tmp_path):
     out = tmp_path / "train.md"
     env = subprocess_env(ROOT, JAX_PLATFORMS="cpu")

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import long_lane
 import numpy as np
 import pytest
 
@@ -254,7 +255,8 @@ def test_batch_dimensions_and_fold_flushes():
 # Pallas (interpret mode on CPU)
 
 
-@pytest.mark.parametrize(
+# The default lane: rows and columns, each output, rotated or not (cases 0, 3, 10); the long lane: the rest.
+@long_lane.parametrize(
     "axis, rotation, scale_mode, rounding, elem, out",
     [
         (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "mx"),
@@ -272,6 +274,7 @@ def test_batch_dimensions_and_fold_flushes():
         (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "one_pass"),
         (-2, H16, "even", "nearest_even", "e2m1", "one_pass"),  # columns: one_pass goes via_mx
     ],
+    default=(0, 3, 10),
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
 def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out):
@@ -318,8 +321,9 @@ MEMORY_ACCESS = {
 }
 
 
-@pytest.mark.parametrize("access", list(MEMORY_ACCESS))
-@pytest.mark.parametrize(
+# The default lane: the first access on the first case; the long lane every other pair.
+@long_lane.parametrize("access", list(MEMORY_ACCESS))
+@long_lane.parametrize(
     "axis, rotation, elem, out",
     [
         (-1, H16, "e2m1", "mx"),
@@ -346,7 +350,7 @@ def test_interleave_puts_part_q_at_position_q_of_each_run():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("parts", [2, 8, 32])
+@long_lane.parametrize("parts", [2, 8, 32])
 def test_pallas_unrotated_columns_by_parts_of_any_size(parts):
     """column_parts is a speed knob only: every size that divides the block gives the reference bits."""
     x = jnp.asarray(_hard_inputs(rows=32, cols=256, seed=10))
@@ -408,7 +412,7 @@ SR_CASES = {  # (axis, rotation, spec, out or fold method, key seed or None)
 }
 
 
-@pytest.mark.parametrize("case", list(SR_CASES))
+@long_lane.parametrize("case", list(SR_CASES), default=2)  # SR by rows, rotated columns
 def test_pallas_stochastic_and_prescale_match_reference(case):
     """The kernels (interpret mode) give quantize_mx's bits for the same key, both layouts, by parts
     (rotated or not) and for each fold method; in the first case another key gives other bits (the bits

@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import long_lane
 import numpy as np
 import pytest
 
@@ -89,7 +90,7 @@ def test_pallas_wiring_gives_the_reference_products(recipe, backend):
     _assert_same_products_as_reference("pallas", recipe, backend, _inputs(2, m=256, k=512, n=256))
 
 
-@pytest.mark.parametrize(
+@long_lane.parametrize(  # the default lane: SR on emulate; the long lane: prescale and random signs on fp8
     "recipe, backend",
     [("mxfp4_full_sr", "emulate"), ("mxfp4_full_sr_prescale", "fp8"), ("mxfp4_full_rht", "fp8")],
 )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from long_lane import SLOW
 from tiny_runs import compilation_cache  # noqa: F401  (byte-level tokenizer for the tiny run's config)
 
 from fp4jax.configs import base
@@ -258,6 +259,7 @@ def test_update_error_from_a_saved_optimizer_state_matches_numpy():
 # the command on the tiny trained run (checkpoints 2, 4, 6)
 
 
+@SLOW
 def test_command_on_the_tiny_run(good_run, tmp_path, capsys):
     out = tmp_path / "instruments"
     argv = ["instruments", "--run", str(good_run), "--out", str(out), "--batches", "2", "--batch", "2"]

@@ -11,6 +11,7 @@ import os
 import sys
 
 import pytest
+from long_lane import SLOW
 from tiny_runs import TINY_OVERRIDES
 
 from fp4jax import ladder
@@ -70,6 +71,7 @@ def _state(root):
     return out
 
 
+@SLOW
 def test_ladder_survives_divergence_and_a_crash_and_reruns_nothing(tmp_path, child_env, capsys):
     root = tmp_path / "ladder"
     assert ladder.main(run_args(root, child_env)) == 0

@@ -11,9 +11,11 @@ import dataclasses
 
 import jax
 import lanes
+import long_lane
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from long_lane import SLOW
 from tiny_runs import bytes_tokenizer
 
 from fp4jax.configs import rungs
@@ -131,7 +133,10 @@ def _weights_rtol(config, one_device, batches, initial, want_params) -> float:
 # mxfp4_full_h16 (the study's recipe: MX blocks along the sharded token axis in Wgrad, rotations) on every
 # mesh; fp8 (per-tensor amax over every shard) on the mesh that shards all three axes at once.
 @needs_meshes
-@pytest.mark.parametrize("recipe,meshes", [("mxfp4_full_h16", slice(None)), ("fp8", slice(-1, None))])
+# The default lane runs fp8 on the one mesh, the long lane mxfp4_full_h16 on all three.
+@long_lane.parametrize(
+    "recipe,meshes", [("mxfp4_full_h16", slice(None)), ("fp8", slice(-1, None))], default=(1,)
+)
 def test_every_mesh_trains_like_one_device(recipe, meshes, batches):
     config = _config(recipe)
     one_device = Mesh(np.array(DEVICES[:1]).reshape(1, 1, 1), MESH_AXES)
@@ -148,6 +153,7 @@ def _losses(workdir):
 
 
 @needs_meshes
+@SLOW
 def test_checkpoint_from_one_mesh_resumes_on_another(tmp_path, monkeypatch):
     """A run saved at step 3 on one mesh resumes on the mesh that shards every axis (the bundled C4 sample,
     byte-level tokens) and goes on as the run that never stopped. (Both meshes' train steps are the ones

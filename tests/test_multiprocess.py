@@ -24,6 +24,7 @@ import sys
 import time
 
 import pytest
+from long_lane import SLOW
 from tiny_runs import BYTES_CLI, ROOT, cli_args, compare, compilation_cache, once_per_session, xla_cache_env
 
 from fp4jax import launch_local
@@ -96,6 +97,7 @@ def test_launcher_dry_run_starts_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@SLOW
 def test_two_processes_match_one_within_the_bound(two_process_run, good_run):
     two, one = compare(two_process_run), compare(good_run)
     assert [(r["step"], r["eval_loss"] is None) for r in two] == [
@@ -106,6 +108,7 @@ def test_two_processes_match_one_within_the_bound(two_process_run, good_run):
         assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"]
 
 
+@SLOW
 def test_two_processes_write_each_file_once(two_process_run):
     lines = (two_process_run / "metrics.jsonl").read_text().splitlines()
     keys = [(r["step"], "eval_loss" in r) for r in map(json.loads, lines)]
@@ -122,7 +125,7 @@ def test_two_processes_write_each_file_once(two_process_run):
     assert not [n for n in os.listdir(ckpts) if integrity.ORBAX_TMP in n]
 
 
-@pytest.mark.slow
+@SLOW
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_killed_process_is_named_in_one_line_and_the_other_exits_4(
     killed, tmp_path, token_cache, xla_cache
@@ -161,7 +164,7 @@ def test_a_killed_process_is_named_in_one_line_and_the_other_exits_4(
     assert max(verified) >= 4 and integrity.verify(str(ckpts / str(max(verified)))) is None
 
 
-@pytest.mark.slow
+@SLOW
 @pytest.mark.parametrize("who", ["one", "all"])
 def test_sigterm_stops_every_process_at_one_step_and_resumes_exactly(
     who, two_process_run, tmp_path, token_cache, xla_cache
@@ -206,6 +209,7 @@ def one_to_two_process_continuation(good_run, tmp_path_factory, token_cache, xla
     return workdir
 
 
+@SLOW
 def test_one_process_checkpoint_continues_on_two_processes_saving_synchronously(
     one_to_two_process_continuation, good_run
 ):
@@ -233,6 +237,7 @@ def test_one_process_checkpoint_continues_on_two_processes_saving_synchronously(
     assert not [n for n in os.listdir(ckpts) if integrity.ORBAX_TMP in n]
 
 
+@SLOW
 def test_two_process_checkpoint_continues_on_one_process(
     one_to_two_process_continuation, good_run, tmp_path, token_cache
 ):
@@ -283,6 +288,7 @@ if os.environ["JAX_PROCESS_ID"] == "1":
 """
 
 
+@SLOW
 def test_a_full_disk_on_one_process_stops_every_process_with_the_same_line(
     two_process_run, tmp_path, token_cache, xla_cache
 ):
@@ -321,6 +327,7 @@ def _continues_within_the_bound(resumed, good_run, updates: int):
         assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"]
 
 
+@SLOW
 def test_two_process_checkpoint_continues_on_four_processes(four_process_continuation, good_run):
     """Restored by 4 processes (its data iterator's state too): updates 5 and 6 read the same batches, so
     their losses match the 1 x 8 run's within the bound."""
@@ -343,6 +350,7 @@ def _flip_a_byte_of_process_1s_share(step_dir) -> str:
     return files[1::2][0]
 
 
+@SLOW
 def test_four_process_checkpoint_continues_on_two_processes_past_a_file_bad_for_one(
     four_process_continuation, good_run, tmp_path, token_cache, xla_cache
 ):

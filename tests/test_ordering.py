@@ -1,6 +1,9 @@
-"""tests/ordering.py: the slow modules are dealt between pytest-xdist's workers, every test still runs."""
+"""tests/ordering.py: the slow modules are dealt between pytest-xdist's workers, every test still runs;
+tests/long_lane.py: which parametrized cases the long lane takes."""
 
+import long_lane
 import ordering
+import pytest
 
 SECONDS = {"slow_a.py": 100, "slow_b.py": 60, "slow_c.py": 50, "slow_d.py": 10}
 # Collection order: fast modules between the slow ones, as the file names fall.
@@ -53,3 +56,24 @@ def test_a_module_larger_than_a_run_still_runs_once():
     modules = ["slow_a.py"] * 9 + ["fast_1.py"] * 3
     order = ordering.deal(modules, 2, SECONDS)
     assert sorted(order) == list(range(12)) and order[:9] == list(range(9))
+
+
+def test_each_lane_is_dealt_by_its_own_seconds_and_both_by_their_sum():
+    assert ordering.lane_seconds("not slow") is ordering.DEFAULT_LANE
+    assert ordering.lane_seconds(" slow ") is ordering.LONG_LANE
+    both = ordering.lane_seconds("")
+    assert both["test_multiprocess.py"] == ordering.LONG_LANE["test_multiprocess.py"]
+    default, long = ordering.DEFAULT_LANE, ordering.LONG_LANE
+    assert both["test_train.py"] == default["test_train.py"] + long["test_train.py"]
+
+
+def _lanes(values) -> list[str]:
+    return ["long" if "slow" in [m.name for m in getattr(v, "marks", ())] else "default" for v in values]
+
+
+def test_long_lane_parametrize_keeps_the_chosen_values_in_the_default_lane():
+    names, values = long_lane.parametrize("a, b", [(1, 2), (3, 4), pytest.param(5, 6, id="x")]).mark.args
+    assert names == "a, b" and values[0] == (1, 2) and _lanes(values) == ["default", "long", "long"]
+    assert [v.values for v in values[1:]] == [(3, 4), (5, 6)] and values[2].id == "x"
+    _, single = long_lane.parametrize("a", [(1, 2), (3, 4), (5, 6)], default=(0, 2)).mark.args
+    assert _lanes(single) == ["default", "long", "default"] and single[1].values == ((3, 4),)

@@ -66,6 +66,7 @@ with open(os.path.join(workdir, "summary.json"), "w") as f:
 def branch_plan(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(runner.RunSpec, "argv_real", runner.RunSpec.argv, raising=False)
+    monkeypatch.setattr(runner, "POLL_S", 0.05)  # the fake trainer ends at once: wait less between polls
     monkeypatch.setattr(
         runner.RunSpec, "argv", lambda self, root, o: [sys.executable, "-c", FAKE, *self.argv_real(root, o)]
     )

@@ -88,6 +88,9 @@ def _fake(monkeypatch, script):
 @pytest.fixture(autouse=True)
 def keep_real_argv(monkeypatch):
     monkeypatch.setattr(runner.RunSpec, "argv_real", runner.RunSpec.argv, raising=False)
+    # The fake trainers end in milliseconds: a shorter wait between polls changes no decision (the
+    # budget's and the kill's clocks are their own), only how long the test waits for them.
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
 
 
 def test_the_committed_plan_loads_with_the_gate_first():

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
+from long_lane import SLOW
 from tiny_runs import (
     compare,
     compilation_cache,
@@ -83,6 +84,7 @@ def _update_differences(update, want) -> list[float]:
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU lane's fake ones)")
+@SLOW
 def test_sharded_train_step_matches_unsharded(token_cache):
     """One mxfp4_full_h16 update with grad_accum=2 on fsdp=2 x tensor=4 is one device's, up to
     reduction order, and the bounds would catch one sequence in eight gone astray (a lost shard).
