@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import ml_dtypes
 
 __all__ = [
     "ALL_ELEM_FORMATS",
@@ -80,10 +81,22 @@ class ElemFormat:
 E2M1 = ElemFormat("e2m1", jnp.float4_e2m1fn, emax=2, emin=0, mantissa_bits=1, max_value=6.0)
 # MXFP6, OCP MX v1.0 section 5.3.2: E2M3 (bias 1, no inf/NaN) and E3M2 (bias 3, no inf/NaN).
 E2M3 = ElemFormat(
-    "e2m3", jnp.float8_e4m3fn, emax=2, emin=0, mantissa_bits=3, max_value=7.5, code_dtype=jnp.float6_e2m3fn
+    "e2m3",
+    jnp.float8_e4m3fn,
+    emax=2,
+    emin=0,
+    mantissa_bits=3,
+    max_value=7.5,
+    code_dtype=ml_dtypes.float6_e2m3fn,
 )
 E3M2 = ElemFormat(
-    "e3m2", jnp.float8_e4m3fn, emax=4, emin=-2, mantissa_bits=2, max_value=28.0, code_dtype=jnp.float6_e3m2fn
+    "e3m2",
+    jnp.float8_e4m3fn,
+    emax=4,
+    emin=-2,
+    mantissa_bits=2,
+    max_value=28.0,
+    code_dtype=ml_dtypes.float6_e3m2fn,
 )
 E4M3 = ElemFormat("e4m3", jnp.float8_e4m3fn, emax=8, emin=-6, mantissa_bits=3, max_value=448.0)
 E5M2 = ElemFormat("e5m2", jnp.float8_e5m2, emax=15, emin=-14, mantissa_bits=2, max_value=57344.0)
