@@ -16,6 +16,7 @@ Invariants this module encodes (the contract):
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from fractions import Fraction
@@ -39,6 +40,46 @@ ELEMS = {
     "e4m3": Elem("e4m3", ml_dtypes.float8_e4m3fn, 8, 448.0, 3, -6),
     "e5m2": Elem("e5m2", ml_dtypes.float8_e5m2, 15, 57344.0, 2, -14),
 }
+
+
+def minifloat_grid(
+    ebits: int, mbits: int, bias: int, excluded_codes: tuple[int, ...] = ()
+) -> tuple[list[Fraction], list[int]]:
+    """(finite magnitudes ascending, their codes) of a sign-magnitude float format, decoded from its bit
+    fields with Fractions: exponent field 0 is subnormal (exponent 1 - bias), the others normal; the
+    magnitude codes in `excluded_codes` (NaN/Inf) are left out."""
+    pairs = []
+    for code in range(2 ** (ebits + mbits)):
+        if code in excluded_codes:
+            continue
+        exp_field, mant = code >> mbits, code & (2**mbits - 1)
+        frac = Fraction(mant, 2**mbits)
+        pairs.append(
+            ((frac if exp_field == 0 else 1 + frac) * Fraction(2) ** (max(exp_field, 1) - bias), code)
+        )
+    pairs.sort()
+    return [v for v, _ in pairs], [c for _, c in pairs]
+
+
+def round_on_grid(
+    y: Fraction, values: list[Fraction], codes: list[int], rounding: str = "nearest_even", u=None
+) -> int:
+    """The code of magnitude y >= 0 rounded onto the grid (values ascending, their codes), saturating at
+    the largest: "nearest_even" (ties to the even code), "nearest_away" (ties up), or "stochastic" (up
+    exactly when u < (y - lo) / (hi - lo), u uniform in [0, 1))."""
+    if y >= values[-1]:
+        return codes[-1]
+    i = bisect.bisect_right(values, y) - 1
+    lo, hi = values[i], values[i + 1]
+    if y == lo:
+        return codes[i]
+    if rounding == "stochastic":
+        return codes[i + 1] if u < (y - lo) / (hi - lo) else codes[i]
+    if y - lo != hi - y:
+        return codes[i] if y - lo < hi - y else codes[i + 1]
+    if rounding == "nearest_away":
+        return codes[i + 1]
+    return codes[i] if codes[i] % 2 == 0 else codes[i + 1]
 
 
 def all_grid_values(elem: str) -> np.ndarray:

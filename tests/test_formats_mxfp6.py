@@ -16,7 +16,6 @@ bytes and the 6-bit codes the stored values convert to.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 from fractions import Fraction
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from mx_reference import minifloat_grid, round_on_grid
 
 from fp4jax.ops import quantize_mx
 
@@ -50,18 +50,7 @@ BLOCK = 32
 def grid(elem: str) -> tuple[list[Fraction], list[int]]:
     """(magnitudes ascending, their codes) of every finite non-negative value, decoded from the bits."""
     ebits, mbits, bias, special, _ = SPECS[elem]
-    pairs = []
-    for code in range(2 ** (ebits + mbits)):
-        if code in special:
-            continue
-        exp_field, mant = code >> mbits, code & (2**mbits - 1)
-        if exp_field == 0:
-            value = Fraction(mant, 2**mbits) * Fraction(2) ** (1 - bias)
-        else:
-            value = (1 + Fraction(mant, 2**mbits)) * Fraction(2) ** (exp_field - bias)
-        pairs.append((value, code))
-    pairs.sort()
-    return [v for v, _ in pairs], [c for _, c in pairs]
+    return minifloat_grid(ebits, mbits, bias, special)
 
 
 def emax(elem: str) -> int:
@@ -95,20 +84,7 @@ def block_exponent(amax: Fraction, elem: str, scale_mode: str) -> int:
 
 def round_magnitude(y: Fraction, elem: str, rounding: str, u: Fraction | None) -> int:
     """The code of the magnitude |y| after rounding (saturating at the largest finite value)."""
-    values, codes = grid(elem)
-    if y >= values[-1]:
-        return codes[-1]
-    i = bisect.bisect_right(values, y) - 1
-    lo, hi = values[i], values[i + 1]
-    if y == lo:
-        return codes[i]
-    if rounding == "stochastic":
-        return codes[i + 1] if u < (y - lo) / (hi - lo) else codes[i]
-    if y - lo != hi - y:
-        return codes[i] if y - lo < hi - y else codes[i + 1]
-    if rounding == "nearest_away":
-        return codes[i + 1]
-    return codes[i] if codes[i] % 2 == 0 else codes[i + 1]
+    return round_on_grid(y, *grid(elem), rounding, u)
 
 
 def code_value(code: int, elem: str) -> Fraction:

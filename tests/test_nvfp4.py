@@ -25,7 +25,6 @@ block that holds NaN/Inf gets a NaN scale and +0 data, and the other blocks are 
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 from fractions import Fraction
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from mx_reference import minifloat_grid, round_on_grid
 
 from fp4jax.ops.nvfp4 import NVFP4Array, nvfp4_global_scale, quantize_nvfp4
 
@@ -49,19 +49,9 @@ BS = 16
 
 
 @functools.cache
-def grid(
-    ebits: int, mbits: int, bias: int, nan_codes: tuple[int, ...] = ()
-) -> tuple[list[Fraction], list[int]]:
+def grid(ebits: int, mbits: int, bias: int, nan_codes: tuple[int, ...] = ()):
     """(finite magnitudes ascending, their codes), decoded from the bit fields."""
-    pairs = []
-    for code in range(2 ** (ebits + mbits)):
-        if code in nan_codes:
-            continue
-        e, m = code >> mbits, code & (2**mbits - 1)
-        frac = Fraction(m, 2**mbits)
-        pairs.append(((frac if e == 0 else 1 + frac) * Fraction(2) ** (max(e, 1) - bias), code))
-    pairs.sort()
-    return [v for v, _ in pairs], [c for _, c in pairs]
+    return minifloat_grid(ebits, mbits, bias, nan_codes)
 
 
 E2M1 = (2, 1, 1)
@@ -70,18 +60,7 @@ E4M3 = (4, 3, 7, (0x7F,))
 
 def round_code(a: Fraction, fmt, u: Fraction | None = None) -> int:
     """Code of magnitude a >= 0 on fmt's grid, saturating; nearest-even, or stochastic with uniform u."""
-    values, codes = grid(*fmt)
-    if a >= values[-1]:
-        return codes[-1]
-    i = bisect.bisect_right(values, a) - 1
-    lo, hi = values[i], values[i + 1]
-    if a == lo:
-        return codes[i]
-    if u is not None:
-        return codes[i + 1] if u < (a - lo) / (hi - lo) else codes[i]
-    if a - lo != hi - a:
-        return codes[i] if a - lo < hi - a else codes[i + 1]
-    return codes[i] if codes[i] % 2 == 0 else codes[i + 1]
+    return round_on_grid(a, *grid(*fmt), "nearest_even" if u is None else "stochastic", u)
 
 
 def value_of(code: int, fmt) -> float:
