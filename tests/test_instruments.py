@@ -288,10 +288,11 @@ def test_checkpoint_state_is_the_runs_own(good_run):
     from fp4jax import diagnose
     from fp4jax.training import setup
 
+    assert ins.verified_steps(str(good_run), [4]) == [4]
     config = ins.run_config(str(good_run), 4)
     model_cfg = setup.model_config(config, 384)
     tx, _ = make_optimizer(config.optimizer)
-    params, opt_state = ins.load_state(str(good_run), 4, config, model_cfg, tx)
+    params, opt_state = ins.load_state(str(good_run), 4, ins.abstract_state(config, model_cfg, tx))
     alone = diagnose.restore_params(str(good_run / "checkpoints" / "4"))
     jax.tree.map(np.testing.assert_array_equal, params, alone)
     counts = [int(x) for x in jax.tree.leaves(opt_state) if np.ndim(x) == 0]

@@ -54,6 +54,7 @@ from fp4jax.training.state import make_init_fn, token_losses
 
 __all__ = [
     "ALL",
+    "abstract_state",
     "DATA_MODES",
     "PANELS",
     "STAGES",
@@ -71,6 +72,7 @@ __all__ = [
     "stage_recipe",
     "table",
     "update_fn",
+    "verified_steps",
     "update_metrics",
     "update_sums",
     "write",
@@ -264,11 +266,14 @@ def update_fn(tx) -> Callable:
 # checkpoints of a run directory
 
 
-def _step_dir(run_dir: str, step: int) -> str:
-    """Checkpoint `step` of the run, verified: the branch's lookup and check (fp4jax.training.checkpoint)."""
-    step_dir = checkpoint.run_step_dir(run_dir, step, label="--run", fix="set --steps to some of them")
-    checkpoint.verify_step_dir(step_dir, "--run", "choose another step")
-    return step_dir
+def verified_steps(run_dir: str, steps: Sequence[int] | None) -> list[int]:
+    """The chosen checkpoint steps of the run (default: all), ascending, each found and its manifest
+    verified once, before any is read (the branch's lookup and check, fp4jax.training.checkpoint)."""
+    steps = sorted(steps or checkpoint.run_step_dirs(run_dir, "--run"))
+    for step in steps:
+        step_dir = checkpoint.run_step_dir(run_dir, step, label="--run", fix="set --steps to some of them")
+        checkpoint.verify_step_dir(step_dir, "--run", "choose another step")
+    return steps
 
 
 def _manager(run_dir: str):
@@ -277,23 +282,26 @@ def _manager(run_dir: str):
 
 
 def run_config(run_dir: str, step: int) -> ml_collections.ConfigDict:
-    """The resolved config the run saved with checkpoint `step` (its meta item)."""
-    _step_dir(run_dir, step)
+    """The resolved config the run saved with checkpoint `step` (its meta item; see verified_steps)."""
     meta = _manager(run_dir).restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
         raise ValueError(f"checkpoint {step} of {run_dir} holds no config: not a fp4jax run checkpoint")
     return ml_collections.ConfigDict(meta["config"])
 
 
-def load_state(run_dir: str, step: int, config, model_cfg, tx) -> tuple:
-    """(params, opt_state) of checkpoint `step`, onto the first device, in the trainer's own tree
-    structure (an abstract TrainState of the run's model and optimizer, as the trainer restores)."""
-    _step_dir(run_dir, step)
+def abstract_state(config, model_cfg, tx):
+    """The trainer's TrainState of the run's model and optimizer as shapes on the first device: what a
+    checkpoint of the run restores into (built once, for every step)."""
     model = Llama(model_cfg, recipe=resolve_recipe(config.recipe, config.get("fp8_scaling", "preset")))
     init = make_init_fn(model, tx, (1, min(config.seq_len, 64)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda key: nn.meta.unbox(init(key)), setup.init_key(config.seed))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
+
+
+def load_state(run_dir: str, step: int, abstract) -> tuple:
+    """(params, opt_state) of checkpoint `step`, in the trainer's own tree structure (`abstract_state`;
+    see verified_steps)."""
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     state = _manager(run_dir).restore(step, args=args).state
     return state.params, state.opt_state
@@ -320,13 +328,13 @@ def run_instruments(
     python -m fp4jax.diagnose), the same at every step; batch default: the run's global batch (the
     minibatch noise of one update), seq_len default: the run's.
     """
-    steps = sorted(steps or checkpoint.run_step_dirs(run_dir, "--run"))
     if not stages or len(set(stages)) < len(stages):
         raise ValueError(f"--stages {','.join(stages)!r}: give distinct ones of {', '.join(STAGES)}")
     for stage in stages:
         stage_recipe(stage)
     if data not in DATA_MODES:
         raise ValueError(f"unknown --data {data!r}: use one of {', '.join(DATA_MODES)}")
+    steps = verified_steps(run_dir, steps)
     config = run_config(run_dir, steps[-1])
     batch, seq_len = batch or config.global_batch, seq_len or config.seq_len
     if min(n_batches, batch, seq_len) < 1:
@@ -349,9 +357,10 @@ def run_instruments(
     recipes = {None: "bf16", **{s: stage_recipe(s) for s in stages}}
     grads = {s: loss_grad_fn(model_cfg, resolve_execution(r)[0]) for s, r in recipes.items()}
     update = update_fn(tx)
+    abstract = abstract_state(config, model_cfg, tx)
     results = {}
     for step in steps:
-        params, opt_state = load_state(run_dir, step, config, model_cfg, tx)
+        params, opt_state = load_state(run_dir, step, abstract)
         results[str(step)] = measure(
             lambda s, p, b: grads[s](p, b), update, params, opt_state, batches, stages
         )
