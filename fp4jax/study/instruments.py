@@ -54,10 +54,10 @@ from fp4jax.training.state import make_init_fn, token_losses
 
 __all__ = [
     "ALL",
-    "abstract_state",
     "DATA_MODES",
     "PANELS",
     "STAGES",
+    "abstract_state",
     "coherence",
     "gradient_metrics",
     "leaf_groups",
@@ -72,9 +72,9 @@ __all__ = [
     "stage_recipe",
     "table",
     "update_fn",
-    "verified_steps",
     "update_metrics",
     "update_sums",
+    "verified_steps",
     "write",
 ]
 
@@ -268,11 +268,12 @@ def update_fn(tx) -> Callable:
 
 def verified_steps(run_dir: str, steps: Sequence[int] | None) -> list[int]:
     """The chosen checkpoint steps of the run (default: all), ascending, each found and its manifest
-    verified once, before any is read (the branch's lookup and check, fp4jax.training.checkpoint)."""
+    verified once, before any is read (checkpoint.verified_run_step_dir, as a branch checks its source)."""
     steps = sorted(steps or checkpoint.run_step_dirs(run_dir, "--run"))
     for step in steps:
-        step_dir = checkpoint.run_step_dir(run_dir, step, label="--run", fix="set --steps to some of them")
-        checkpoint.verify_step_dir(step_dir, "--run", "choose another step")
+        checkpoint.verified_run_step_dir(
+            run_dir, step, label="--run", fix="set --steps to some of them", bad_fix="choose another step"
+        )
     return steps
 
 

@@ -60,19 +60,23 @@ def check_config(config, workdir: str) -> None:
         source_step_dir(config.init_from, config.init_from_step)
 
 
+# How the init_from options name the source and pick another step, in the one-line errors of
+# checkpoint.run_step_dir (no such step) and checkpoint.verify_step_dir (a bad one).
+_SOURCE = {"label": "init_from", "fix": "set --config.init_from_step to one of them"}
+
+
 def source_step_dir(init_from: str, step: int) -> str:
-    """The directory of checkpoint `step` of the run at `init_from` (its workdir or its checkpoints/);
-    ConfigError naming the steps it has when there is no such checkpoint."""
-    return checkpoint.run_step_dir(
-        init_from, step, label="init_from", fix="set --config.init_from_step to one of them"
-    )
+    """The directory of checkpoint `step` of the run at `init_from` (its workdir or its checkpoints/),
+    unverified; ConfigError naming the steps it has when there is no such checkpoint."""
+    return checkpoint.run_step_dir(init_from, step, **_SOURCE)
 
 
 def start_branch(config, abstract_state, train_iter) -> checkpoint.Restored:
     """The branch's starting state (see the module docstring) with the data iterator set to the source's
     position; meta holds only branched_from."""
-    step_dir = source_step_dir(config.init_from, config.init_from_step)
-    checkpoint.verify_step_dir(step_dir, "init_from", "branch from another step")
+    step_dir = checkpoint.verified_run_step_dir(
+        config.init_from, config.init_from_step, **_SOURCE, bad_fix="branch from another step"
+    )
     saved = _saved_tree(step_dir)
     _check_params(saved["params"], abstract_state.params, step_dir)
     replicated = NamedSharding(_mesh_of(abstract_state), PartitionSpec())

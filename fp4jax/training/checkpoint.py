@@ -40,6 +40,7 @@ __all__ = [
     "run_step_dir",
     "run_step_dirs",
     "save",
+    "verified_run_step_dir",
     "verify_step_dir",
 ]
 
@@ -379,3 +380,12 @@ def verify_step_dir(step_dir: str, label: str, fix: str) -> None:
         bad = bool(multihost_utils.broadcast_one_to_all(np.int32(bad)))
     if bad:
         raise CheckpointError(f"{label} checkpoint {step_dir} is bad: {problem or 'see process 0'}; {fix}")
+
+
+def verified_run_step_dir(run: str, step: int, *, label: str, fix: str, bad_fix: str) -> str:
+    """The directory of checkpoint `step` of the run at `run`, found (`run_step_dir`: ConfigError ending in
+    `fix`) and its manifest verified (`verify_step_dir`: CheckpointError ending in `bad_fix`): what every
+    reader of another run's checkpoint calls before restoring from it (a branch, the instruments)."""
+    step_dir = run_step_dir(run, step, label=label, fix=fix)
+    verify_step_dir(step_dir, label, bad_fix)
+    return step_dir
