@@ -32,7 +32,6 @@ import traceback  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 
 from fp4jax import gemm_errors as diag  # noqa: E402
 from fp4jax.models.llama import Llama, llama_config  # noqa: E402
@@ -51,14 +50,12 @@ def _model(**overrides) -> tuple[Llama, dict, dict]:
 
 
 def _capture_without_perturb(model_cfg, params, batch):
-    model = Llama(dataclasses.replace(model_cfg, scan_layers=False), recipe="bf16")
-    params = diag.per_block_params(params, model_cfg)
+    """capture_operands' forward with x and W sown but no perturbation (so no dy), then the gradient of
+    the params in place of the cotangents'."""
+    model, params = diag.capture_model(model_cfg), diag.per_block_params(params, model_cfg)
 
     def loss(p):
-        with nn.intercept_methods(functools.partial(diag.record_operands, perturb=False)):  # x and W only
-            logits, sown = model.apply({"params": p}, batch["inputs"], mutable=[diag.OPERANDS])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-        return losses.mean(), sown
+        return diag.recorded_loss(model, {"params": p}, batch, [diag.OPERANDS], perturb=False)
 
     (value, sown), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return value, sown, grads

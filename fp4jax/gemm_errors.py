@@ -40,6 +40,7 @@ Delayed FP8 scaling is measured with current scaling (the probe has no amax hist
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -75,6 +76,7 @@ __all__ = [
     "OPERAND_NAMES",
     "OUTPUT_NAMES",
     "LayerOperands",
+    "capture_model",
     "capture_operands",
     "gemm_operands",
     "gemm_stats",
@@ -87,6 +89,7 @@ __all__ = [
     "per_block_params",
     "quantized_output",
     "record_operands",
+    "recorded_loss",
     "reference_output",
     "summarize",
 ]
@@ -151,24 +154,32 @@ def _capture_attention(option: str) -> str:
     return "xla" if deterministic and option in ("auto", "cudnn") else option
 
 
-def capture_operands(model_cfg: LlamaConfig, params: Any, batch: dict) -> tuple[jax.Array, dict]:
-    """(loss, {(layer, kind): LayerOperands}) from one bf16-recipe forward/backward of `batch`.
-
-    `batch` has int32 "inputs" and "targets" [B, T]; the loss is the mean next-token cross-entropy (the
-    training loss), so dy is the cotangent training differentiates. Pure and jit-able.
-    """
+def capture_model(model_cfg: LlamaConfig) -> Llama:
+    """The model the capture runs: recipe bf16, blocks unscanned (each its own module, taking the params
+    as per_block_params gives them), the capture's attention (_capture_attention)."""
     attention = _capture_attention(model_cfg.attention)
-    unscanned = dataclasses.replace(model_cfg, scan_layers=False, attention=attention)
-    model = Llama(unscanned, recipe="bf16")
-    params = per_block_params(params, model_cfg)
+    return Llama(dataclasses.replace(model_cfg, scan_layers=False, attention=attention), recipe="bf16")
+
+
+def recorded_loss(model: Llama, variables: dict, batch: dict, mutable: list[str], *, perturb: bool = True):
+    """(mean next-token cross-entropy of `batch`, the sown collections `mutable`) of `model` run under
+    record_operands (`perturb` as there). `batch` has int32 "inputs" and "targets" [B, T]. The loss is
+    the training loss, so the dy a perturbation records is the cotangent training differentiates."""
+    with nn.intercept_methods(functools.partial(record_operands, perturb=perturb)):
+        logits, sown = model.apply(variables, batch["inputs"], mutable=mutable)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return losses.mean(), sown
+
+
+def capture_operands(model_cfg: LlamaConfig, params: Any, batch: dict) -> tuple[jax.Array, dict]:
+    """(loss, {(layer, kind): LayerOperands}) from one forward/backward of `batch` by capture_model, the
+    loss and dy as recorded_loss gives them. Pure and jit-able."""
+    model, params = capture_model(model_cfg), per_block_params(params, model_cfg)
 
     def run(cotangents):
         variables = {"params": params} if cotangents is None else {"params": params, _COTANGENTS: cotangents}
         mutable = [OPERANDS] if cotangents is not None else [OPERANDS, _COTANGENTS]
-        with nn.intercept_methods(record_operands):
-            logits, sown = model.apply(variables, batch["inputs"], mutable=mutable)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-        return losses.mean(), sown
+        return recorded_loss(model, variables, batch, mutable)
 
     shapes = jax.eval_shape(run, None)[1][_COTANGENTS]
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
