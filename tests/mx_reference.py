@@ -39,6 +39,9 @@ ELEMS = {
     "e2m1": Elem("e2m1", ml_dtypes.float4_e2m1fn, 2, 6.0, 1, 0),
     "e4m3": Elem("e4m3", ml_dtypes.float8_e4m3fn, 8, 448.0, 3, -6),
     "e5m2": Elem("e5m2", ml_dtypes.float8_e5m2, 15, 57344.0, 2, -14),
+    # MXFP6 (OCP MX v1.0, section 5.3.2): no Inf/NaN codes, every code finite.
+    "e2m3": Elem("e2m3", ml_dtypes.float6_e2m3fn, 2, 7.5, 3, 0),
+    "e3m2": Elem("e3m2", ml_dtypes.float6_e3m2fn, 4, 28.0, 2, -2),
 }
 
 

@@ -43,6 +43,8 @@ from fp4jax.ops import (
 Op = ref.Operand
 MX4 = Op("mx", "e2m1", 32, "even", "nearest_even")
 MX4_SR = Op("mx", "e2m1", 32, "even", "stochastic")
+MX6_E2M3 = Op("mx", "e2m3", 32, "even", "nearest_even")  # MXFP6: the MXFP4 operand's rule, other elements
+MX6_E3M2 = Op("mx", "e3m2", 32, "even", "nearest_even")
 MX8 = Op("mx", "e4m3", 32, "ceil", "nearest_even")  # a decision (docs/numerics.md): NVIDIA's MXFP8 rule
 FP8_FWD = Op("fp8", "e4m3")  # x and W
 FP8_GRAD = Op("fp8", "e5m2")  # dy
@@ -92,6 +94,11 @@ CONTRACT = {
     },
     "mxfp8": _full(MX8),
 }
+for _name, _op in (("mxfp6_e2m3", MX6_E2M3), ("mxfp6_e3m2", MX6_E3M2)):  # the ladder's rungs per format
+    CONTRACT[f"{_name}_fprop"] = {**_FP8, "fprop": (_op, _op, None)}
+    CONTRACT[f"{_name}_fprop_dgrad"] = {**_FP8, "fprop": (_op, _op, None), "dgrad": (_op, _op, None)}
+    CONTRACT[f"{_name}_full"] = _full(_op)
+    CONTRACT[f"{_name}_full_h16"] = _full(_op, ("deterministic", 16))
 STOCHASTIC = ("mxfp4_full_sr", "mxfp4_full_sr_prescale", "mxfp4_full_rht", "mxfp4_tseng", "mxfp4_nvidia")
 DETERMINISTIC = [n for n in CONTRACT if n not in ("fp8_delayed", "fp8_mlperf", *STOCHASTIC)]
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -272,7 +279,11 @@ def test_bf16_recipe_equals_lax_dot_general(case):
 
 @pytest.mark.parametrize(
     "name,case",
-    [(n, "2d") for n in DETERMINISTIC] + [(n, "3d_activations") for n in ("fp8", "mxfp4_full_h32", "mxfp8")],
+    [(n, "2d") for n in DETERMINISTIC]
+    + [
+        (n, "3d_activations")
+        for n in ("fp8", "mxfp4_full_h32", "mxfp8", "mxfp6_e2m3_full", "mxfp6_e3m2_full")
+    ],
 )
 def test_preset_matches_reference(name, case):
     lhs_shape, rhs_shape, dims, subs = DIMS[case]

@@ -55,6 +55,17 @@ def _kernel_extras(recipe: Recipe) -> str:
     return f" ({'; '.join(extras)})" if extras else ""
 
 
+def _unfolded(recipe: Recipe, backend: str) -> str:
+    """On the fp8 back end, which MX operands it cannot fold exactly into E4M3 (all but E2M1: their GEMMs
+    multiply as in emulate, backends.fp8_supports), as a clause for the reason; else nothing."""
+    elems = sorted(
+        {s.elem for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "mx" and s.elem != "e2m1"}
+    )
+    if backend != "fp8" or not elems:
+        return ""
+    return f"; GEMMs with {'/'.join(e.upper() for e in elems)} MX operands run as in emulate (no exact fold)"
+
+
 def resolve_execution(
     recipe: str | Recipe, *, backend: str | None = None, quantizer: str | None = None, source: str = "recipe"
 ) -> tuple[Recipe, Execution]:
@@ -76,5 +87,7 @@ def resolve_execution(
         backends.check_backend(recipe.backend, source if backend else "recipe")
         resolved, reason = recipe.backend, f"set by {source}" if backend else "set by the recipe"
     probes.run_probes(resolved)
-    execution = Execution(resolved, reason, recipe.quantizer, _quantizer_runs(recipe))
+    execution = Execution(
+        resolved, reason + _unfolded(recipe, resolved), recipe.quantizer, _quantizer_runs(recipe)
+    )
     return recipe, execution

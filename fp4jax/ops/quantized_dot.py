@@ -215,11 +215,12 @@ def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, quant
     quantizer (Recipe.quantizer) "auto" or "pallas": the Pallas kernels on MX operands where they run
     (`fused_quantize.pallas_supports`: one NVIDIA GPU, full tiles; any rounding), the reference path
     elsewhere. "xla": the fused XLA formulation everywhere (slower than the reference path on GPUs; it
-    lets CPU tests exercise this wiring). "reference": the reference path. Either way the operands are
-    bit for bit the reference path's wherever the rotation's float32 sums are exact
+    lets CPU tests exercise this wiring). "reference": the reference path. Elements the fused code does
+    not encode (MXFP6; fused_quantize.FUSED_ELEMS) take the reference path whatever the setting. Either
+    way the operands are bit for bit the reference path's wherever the rotation's float32 sums are exact
     (tests/test_gemm_operands.py).
     """
-    if spec.kind != "mx" or quantizer == "reference":
+    if spec.kind != "mx" or spec.elem not in fused_quantize.FUSED_ELEMS or quantizer == "reference":
         return None
     impl = fused_quantize.choose_impl(shape, axis, spec, rotation, setting=quantizer)
     # choose_impl falls back to the fused XLA formulation; here only an explicit "xla" gets it.

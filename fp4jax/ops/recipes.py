@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp4jax.ops.formats import ELEM_FORMATS, require_power_of_two
+from fp4jax.ops.formats import ALL_ELEM_FORMATS, ELEM_FORMATS, require_power_of_two
 from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "BACKENDS",
+    "FP8_ELEMS",
     "FP8_SCALINGS",
     "FP8_SCALING_MODES",
     "GEMMS",
@@ -33,6 +34,8 @@ __all__ = [
     "MXFP4",
     "MXFP4_SR",
     "MXFP4_SR_PRESCALE",
+    "MXFP6_E2M3",
+    "MXFP6_E3M2",
     "MXFP8",
     "NVIDIA_RHT_SEED",
     "PRESETS",
@@ -53,6 +56,8 @@ __all__ = [
 
 
 QUANT_KINDS = ("none", "mx", "fp8")
+# Per-tensor FP8 elements; MX operands take any of formats.ALL_ELEM_FORMATS (E2M1, E2M3, E3M2, E4M3, E5M2).
+FP8_ELEMS = tuple(name for name in ELEM_FORMATS if name != "e2m1")
 FP8_SCALINGS = ("current", "delayed")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The config key `fp8_scaling`: "preset" keeps each preset's own FP8 scaling; the others map onto it.
@@ -99,7 +104,7 @@ class QuantSpec:
 
     def __post_init__(self):
         _check_choice(self.kind, QUANT_KINDS, "quantization kind")
-        _check_choice(self.elem, tuple(ELEM_FORMATS), "element format")
+        _check_choice(self.elem, tuple(ALL_ELEM_FORMATS), "element format")
         _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
         _check_choice(self.rounding, ROUNDING_MODES, "rounding")
         _check_choice(self.fp8_scaling, FP8_SCALINGS, "fp8_scaling")
@@ -108,8 +113,8 @@ class QuantSpec:
             raise ValueError(f"prescale must lie in (0, 1], got {self.prescale!r}")
         if self.prescale != 1 and self.kind != "mx":
             raise ValueError("prescale applies to MX operands only (kind='mx')")
-        if self.kind == "fp8" and self.elem == "e2m1":
-            raise ValueError("an fp8 operand needs elem 'e4m3' or 'e5m2', not 'e2m1'")
+        if self.kind == "fp8" and self.elem not in FP8_ELEMS:
+            raise ValueError(f"an fp8 operand needs elem 'e4m3' or 'e5m2', not {self.elem!r}")
         if self.kind == "fp8" and self.rounding != "nearest_even":
             raise ValueError("fp8 per-tensor operands round half-to-even only")
 
@@ -231,6 +236,10 @@ MXFP4 = QuantSpec(kind="mx", elem="e2m1", block_size=32, scale_mode="even", roun
 MXFP4_SR = dataclasses.replace(MXFP4, rounding="stochastic")
 # SR as Tseng et al. 2025 run it: values scaled by 3/4 first, so nothing saturates and SR stays unbiased.
 MXFP4_SR_PRESCALE = dataclasses.replace(MXFP4_SR, prescale=0.75)
+# MXFP6 (OCP MX v1.0: E2M3 or E3M2 elements, E8M0 scales per 32) with the study's MXFP4 scale rule and
+# rounding, so that in a format comparison the element format is the only difference.
+MXFP6_E2M3 = dataclasses.replace(MXFP4, elem="e2m3")
+MXFP6_E3M2 = dataclasses.replace(MXFP4, elem="e3m2")
 # NVIDIA's MXFP8 recipe: E4M3 everywhere, scales rounded up (RCEIL).
 MXFP8 = QuantSpec(kind="mx", elem="e4m3", block_size=32, scale_mode="ceil", rounding="nearest_even")
 
@@ -282,6 +291,19 @@ _NVIDIA = dict(
 )
 
 
+def _format_rungs(prefix: str, spec: QuantSpec) -> dict[str, Recipe]:
+    """The study's ladder rungs fprop, fprop_dgrad, full and full_h16 with the MX operands in `spec`'s
+    format (FP8 where a rung leaves a GEMM unquantized to MX, as the MXFP4 rungs do)."""
+    mx, h16 = _mxfp4_gemm(spec=spec), _mxfp4_gemm(H16, spec)
+    rungs = {
+        "fprop": dict(fprop=mx),
+        "fprop_dgrad": dict(fprop=mx, dgrad=mx),
+        "full": dict(fprop=mx, dgrad=mx, wgrad=mx),
+        "full_h16": dict(fprop=h16, dgrad=h16, wgrad=h16),
+    }
+    return {f"{prefix}_{rung}": _recipe(f"{prefix}_{rung}", **gemms) for rung, gemms in rungs.items()}
+
+
 PRESETS: dict[str, Recipe] = {
     "bf16": Recipe(name="bf16"),
     "fp8": _recipe("fp8"),
@@ -319,6 +341,8 @@ PRESETS: dict[str, Recipe] = {
         wgrad=_mxfp4_gemm(spec=MXFP8),
         name="mxfp8",
     ),
+    **_format_rungs("mxfp6_e2m3", MXFP6_E2M3),
+    **_format_rungs("mxfp6_e3m2", MXFP6_E3M2),
 }
 
 

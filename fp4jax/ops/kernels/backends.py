@@ -3,16 +3,18 @@
 Every back end computes out[b, m, n] = sum_k a[b, m, k] * c[b, n, k] in float32 from quantized operands
 (both contract on their last axis). An operand is a plain array, an MXArray or an FP8Array.
 
-- `emulate`: MX operands dequantized to bf16 (exact: an E2M1/E4M3/E5M2 element times a power of two fits
-  bf16's 8-bit significand), FP8 operands multiplied in as their raw elements with the per-tensor scales
-  applied to the float32 result; a plain dot_general with float32 accumulation. Runs everywhere.
+- `emulate`: MX operands dequantized to bf16 (exact: an E2M1, E2M3, E3M2, E4M3 or E5M2 element times a
+  power of two fits bf16's 8-bit significand), FP8 operands multiplied in as their raw elements with the
+  per-tensor scales applied to the float32 result; a plain dot_general with float32 accumulation. Runs
+  everywhere.
 - `native`: MX x MX GEMMs through `jax.lax.scaled_dot` (float4_e2m1fn / float8 data, float8_e8m0fnu
   scales), which XLA lowers to hipBLASLt block-scaled GEMMs on MI355X (gfx950) and cuDNN on Blackwell,
   for the shapes `native_supports` accepts; other GEMMs and shapes run as in `emulate`.
 - `fp8`: E2M1 MX operands folded exactly into E4M3 with one exponent per row (fold.py), one plain FP8
   dot_general with float32 accumulation (cuBLASLt FP8 on Hopper, hipBLASLt FP8 on MI300 with the FNUZ
-  types), the row exponents applied to its result. Also MX x FP8Array. MX operands with E4M3/E5M2
-  elements do not fold exactly into one E4M3 grid per row in general: those GEMMs run as in `emulate`.
+  types), the row exponents applied to its result. Also MX x FP8Array. MX operands with other
+  elements (MXFP6's E2M3/E3M2, MXFP8's E4M3/E5M2) do not fold exactly into one E4M3 grid per row in
+  general: those GEMMs run as in `emulate` (execution.py names them in the resolved reason).
 - `auto`: chosen from the device (probes.choose_backend: the dispatch table). The library reads no
   environment variable: the trainer's set-up maps FP4JAX_GEMM_BACKEND onto Recipe.backend.
 

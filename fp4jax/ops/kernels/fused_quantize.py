@@ -57,6 +57,7 @@ from fp4jax.ops import formats, quantize
 from fp4jax.ops.formats import get_elem_format
 from fp4jax.ops.kernels import fold, probes
 from fp4jax.ops.kernels import fused_quantize_pallas as pallas_kernels
+from fp4jax.ops.kernels.codes import MAX_CODE
 from fp4jax.ops.kernels.fused_quantize_pallas import KernelConfig
 from fp4jax.ops.kernels.tile_math import (
     NO_BLOCK,
@@ -70,6 +71,7 @@ from fp4jax.ops.quantize import MXArray
 from fp4jax.ops.recipes import QUANTIZERS, QuantSpec, RotationSpec
 
 __all__ = [
+    "FUSED_ELEMS",
     "IMPLS",
     "OUTPUTS",
     "PALLAS_COL_MULTIPLE",
@@ -82,6 +84,9 @@ __all__ = [
 ]
 
 OUTPUTS = ("mx", "fp8_fold")
+# The element formats the fused kernels encode (codes.MAX_CODE); MXFP6 (E2M3, E3M2) operands take the
+# reference path (quantize.quantize_mx) until the kernels encode them and are checked on a GPU.
+FUSED_ELEMS = tuple(MAX_CODE)
 IMPLS = ("auto", "pallas", "xla")
 
 
@@ -100,6 +105,11 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
         raise ValueError(
             f"axis must be -1 (row-wise) or -2 (column-wise, transposed result) of an array of rank >= 2, "
             f"got axis={axis} for rank {x.ndim}"
+        )
+    if spec.elem not in FUSED_ELEMS:
+        raise ValueError(
+            f"the fused quantizer encodes {', '.join(FUSED_ELEMS)} elements, got elem={spec.elem!r}: "
+            "quantize it with quantize.quantize_mx"
         )
     if out == "fp8_fold" and spec.elem != "e2m1":
         raise ValueError(f"out='fp8_fold' folds E2M1 elements only, got elem={spec.elem!r}")
@@ -182,7 +192,7 @@ def pallas_supports(
     device_count = jax.device_count() if device_count is None else device_count
     if device.vendor != "nvidia" or device_count != 1:
         return False
-    if spec.kind != "mx":
+    if spec.kind != "mx" or spec.elem not in FUSED_ELEMS:
         return False
     column = axis % len(shape) == len(shape) - 2
     out_rows, n = (shape[-1], shape[-2]) if column else (shape[-2], shape[-1])

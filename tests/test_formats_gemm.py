@@ -1,0 +1,90 @@
+"""MXFP6 (E2M3, E3M2) in the per-GEMM contract: how its operands are quantized and multiplied.
+
+The presets' numbers are held against the independent reference in tests/test_mx_dot.py (the CONTRACT
+table: every mxfp6_* rung, forward and both gradients). Here: the routing around them. The fused
+quantizer encodes E2M1 and the FP8 elements only, so MXFP6 operands take the reference path under every
+quantizer setting; the fp8 back end cannot fold them exactly into E4M3, so their GEMMs multiply as in
+emulate, bit for bit, and the resolved execution says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from fp4jax.ops import PRESETS, mx_dot_general, quantize_mx
+from fp4jax.ops.execution import resolve_execution
+from fp4jax.ops.kernels import backends, fused_quantize
+from fp4jax.ops.recipes import MXFP6_E2M3, MXFP6_E3M2, QuantSpec, RotationSpec
+
+MXFP6 = {"e2m3": MXFP6_E2M3, "e3m2": MXFP6_E3M2}
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _operands(seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (32, 64)) * 3
+    w = jax.random.normal(keys[1], (64, 48)) / 8
+    dy = jax.random.normal(keys[2], (32, 48))
+    return x, w, dy
+
+
+def _fwd_bwd(recipe, x, w, dy):
+    y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, DIMS, recipe=recipe), x, w)
+    return (y, *vjp(dy))
+
+
+@pytest.mark.parametrize("elem", sorted(MXFP6))
+def test_fused_quantizer_refuses_mxfp6_in_one_line(elem):
+    x = jax.numpy.ones((16, 64))
+    with pytest.raises(ValueError, match=f"elem='{elem}': quantize it with quantize.quantize_mx") as err:
+        fused_quantize.rotate_quantize(x, axis=-1, spec=MXFP6[elem], out="mx", impl="xla")
+    assert "\n" not in str(err.value)
+    assert not fused_quantize.pallas_supports((1024, 1024), -1, MXFP6[elem], RotationSpec())
+
+
+@pytest.mark.parametrize("name", ["mxfp6_e2m3_full", "mxfp6_e3m2_full_h16"])
+def test_every_quantizer_setting_gives_the_reference_paths_bits(name):
+    """quantizer "xla" would run the fused XLA formulation on MXFP4 operands; MXFP6 operands take the
+    reference path under it, so the three settings agree bit for bit."""
+    x, w, dy = _operands(1)
+    runs = {
+        q: _fwd_bwd(dataclasses.replace(PRESETS[name], quantizer=q), x, w, dy)
+        for q in ("reference", "xla", "auto")
+    }
+    for q in ("xla", "auto"):
+        for got, want in zip(runs[q], runs["reference"], strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} {q}")
+
+
+@pytest.mark.parametrize("elem", sorted(MXFP6))
+def test_fp8_back_end_multiplies_mxfp6_as_emulate(elem):
+    x, w, _ = _operands(2)
+    quantize = lambda v: quantize_mx(v, axis=-1, elem=elem, block_size=32, scale_mode="even")
+    qa, qc = quantize(x[None]), quantize(w.T[None])
+    assert not backends.fp8_supports(qa, qc)
+    got = backends.matmul(qa, qc, backend="fp8")
+    want = backends.matmul(qa, qc, backend="emulate")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_resolved_execution_names_the_operands_fp8_cannot_fold(monkeypatch):
+    """On the fp8 back end a recipe with non-E2M1 MX operands says which run as in emulate; an MXFP4
+    recipe's reason has no such clause. (The back end's availability check is bypassed: CPU has no FP8
+    GEMMs, and what is tested is the reason's text.)"""
+    monkeypatch.setattr(backends, "check_backend", lambda *a, **k: None)
+    monkeypatch.setattr("fp4jax.ops.kernels.probes.run_probes", lambda backend: None)
+    _, e2m3 = resolve_execution("mxfp6_e2m3_full", backend="fp8")
+    _, e2m1 = resolve_execution("mxfp4_full", backend="fp8")
+    assert e2m3.backend_reason.endswith("; GEMMs with E2M3 MX operands run as in emulate (no exact fold)")
+    assert "emulate" not in e2m1.backend_reason
+
+
+def test_bad_element_formats_get_one_line_errors():
+    with pytest.raises(ValueError, match="an fp8 operand needs elem 'e4m3' or 'e5m2', not 'e2m3'"):
+        QuantSpec(kind="fp8", elem="e2m3")
+    with pytest.raises(ValueError, match="unknown element format 'e6m1': use one of .*e2m3, e3m2"):
+        QuantSpec(kind="mx", elem="e6m1")
