@@ -68,10 +68,15 @@ def test_selfcheck_passes_here(capsys):
     assert f"auto picks: {backends.resolve_backend('auto')}" in out
     assert "fp8" in out and "AGREE" in out and "DISAGREE" not in out
     assert "loss falling" in out
+    for name in selfcheck.FORMAT_RECIPES:  # every block format's GEMMs on every back end
+        assert f"recipe {name}:" in out, name
     assert out.rstrip().endswith("self-check PASSED") and code == 0
 
 
 def test_selfcheck_rejects_bad_arguments():
     with pytest.raises(SystemExit) as exc:
         selfcheck.main(["--backends", "fp4"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        selfcheck.main(["--formats", "mxfp5_full"])
     assert exc.value.code == 2
