@@ -26,7 +26,8 @@ Quantities per GEMM (`gemm_stats`): out_rel_err = ||out - ref|| / ||ref||, out_c
 operand (named x, w, dy), measured in the basis the GEMM quantizes in (after the rotation, against the
 rotated unquantized operand): rel_err, cos, flush (fraction of non-zero inputs that quantize to 0), sat
 (fraction of non-zero inputs beyond the element range: |x| > max_elem * 2^e for MX, |x * scale| > max
-for FP8), exp_min / exp_max (block scale exponents of non-zero MX blocks), fold_flush (E2M1 MX only:
+for FP8, |x| > 6 s_b S_dec for NVFP4), exp_min / exp_max (block scale exponents of non-zero MX blocks;
+NVFP4: floor(log2(s_b S_dec))), fold_flush (E2M1 MX only:
 fraction of non-zero blocks the fp8 back end's fold into E4M3 rows would flush, fold.py). For GEMMs
 that draw random numbers (stochastic rounding, random Hadamard signs), over n_draws draws:
 out_bias_rel = ||mean - ref|| / ||ref||, out_bias_se = sqrt(sum var / n) / ||ref|| (the value
@@ -278,6 +279,8 @@ def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Arr
     if spec.kind == "fp8":
         stats["sat"] = jnp.sum(jnp.abs(used * q.scale) > fmt.max_value) / count
         return stats
+    if spec.kind == "nvfp4":
+        return {**stats, **_nvfp4_stats(used, q, nonzero, count)}
     exponent = q.scale_exponent()  # (..., blocks)
     limit = ldexp_exact(jnp.full(exponent.shape, fmt.max_value, jnp.float32), exponent)
     limit = jnp.repeat(limit, q.block_size, axis=-1)  # a NaN block (exponent 128) gives inf: no clip
@@ -292,6 +295,19 @@ def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Arr
         blocks = jnp.maximum(jnp.sum(block_nonzero), 1).astype(jnp.float32)
         stats["fold_flush"] = count_fold_flushes(q).astype(jnp.float32) / blocks
     return stats
+
+
+def _nvfp4_stats(used, q, nonzero, count) -> dict[str, jax.Array]:
+    """sat (|x| > 6 s_b S_dec: beyond its block's range) and exp_min / exp_max (floor(log2(s_b S_dec)),
+    the block scale's binade, over blocks holding a non-zero element) of an NVFP4 operand."""
+    block_scale = q.element_scales() * q.decode_scale()
+    limit = jnp.where(jnp.isnan(block_scale), jnp.inf, 6.0 * block_scale)
+    stats = {"sat": jnp.sum(jnp.abs(used) > limit) / count}
+    binade = jnp.floor(jnp.log2(jnp.where(nonzero & (block_scale > 0), block_scale, 1.0)))
+    has = nonzero & (block_scale > 0)
+    stats["exp_min"] = jnp.where(jnp.any(has), jnp.min(jnp.where(has, binade, _EXP_SENTINEL)), 0.0)
+    stats["exp_max"] = jnp.where(jnp.any(has), jnp.max(jnp.where(has, binade, -_EXP_SENTINEL)), 0.0)
+    return {k: v.astype(jnp.float32) for k, v in stats.items()}
 
 
 def _draw_stats(a, c, gemm: GemmSpec, key, ref, ref_sq, n_draws: int) -> dict[str, jax.Array]:

@@ -39,6 +39,7 @@ __all__ = [
     "NVFP4Array",
     "NVFP4_BLOCK_SIZE",
     "NVFP4_ROUNDING_MODES",
+    "flush_subnormal",
     "nvfp4_global_scale",
     "quantize_nvfp4",
 ]
@@ -58,7 +59,7 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-def _flush(v: jax.Array) -> jax.Array:
+def flush_subnormal(v: jax.Array) -> jax.Array:
     """v with float32 subnormals replaced by a zero of their sign (what flush-to-zero does, made explicit)."""
     bits = _bits(v)
     signed_zero = lax.bitcast_convert_type(bits & F32_SIGN_MASK, jnp.float32)
@@ -75,7 +76,7 @@ def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
 
 def _decode_scale(global_scale: jax.Array) -> jax.Array:
     """S_dec = float32(1 / S_enc), flushed to zero below the normal range."""
-    return _flush(jnp.float32(1.0) / global_scale)
+    return flush_subnormal(jnp.float32(1.0) / global_scale)
 
 
 @jax.tree_util.register_dataclass
@@ -108,11 +109,21 @@ class NVFP4Array:
             scale = jnp.repeat(scale, self.block_size, axis=axis)
         return scale
 
+    def block_values(self, dtype: Any = jnp.float32) -> jax.Array:
+        """data * block scale, without the per-tensor scale: exact in float32 and in bfloat16 (an E2M1 value
+        times an E4M3 one has at most 6 significant bits and lies in [2^-10, 2688]); NaN in NaN blocks.
+        What a GEMM multiplies; decode_scale() is then applied to its float32 result."""
+        return (self.data.astype(jnp.float32) * self.element_scales()).astype(dtype)
+
+    def decode_scale(self) -> jax.Array:
+        """S_dec = float32(1 / global_scale), flushed to zero below the normal range (a float32 scalar)."""
+        return _decode_scale(self.global_scale)
+
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """(data * block scale) * float32(1 / global_scale): the product exact, then one float32 rounding
         (subnormal results flushed to zero); NaN for every element of a NaN block."""
         values = self.data.astype(jnp.float32) * self.element_scales()
-        return _flush(values * _decode_scale(self.global_scale)).astype(dtype)
+        return flush_subnormal(values * _decode_scale(self.global_scale)).astype(dtype)
 
 
 def _check_nvfp4_args(x: jax.Array, axis: int, block_size: int, block_2d: bool, rounding: str, key) -> int:
@@ -151,7 +162,7 @@ def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.A
     """(s_b as float8_e4m3fn, e_b as float32) of blocks with absolute maxima block_amax: TE's steps."""
     s_b = jnp.minimum(block_amax * (global_scale * jnp.float32(_RCP_6)), _E4M3_MAX)
     s_b = s_b.astype(jnp.float8_e4m3fn)  # round to nearest even; the clip above is the saturation
-    block_decode = _flush(s_b.astype(jnp.float32) * _decode_scale(global_scale))
+    block_decode = flush_subnormal(s_b.astype(jnp.float32) * _decode_scale(global_scale))
     return s_b, jnp.minimum(jnp.float32(1.0) / block_decode, _F32_MAX)  # 1 / 0 = inf -> FLT_MAX
 
 
@@ -179,13 +190,13 @@ def quantize_nvfp4(
     abs_bits = _bits(blocks) & F32_ABS_MASK
     finite = abs_bits < F32_INF_BITS
     healthy = jnp.all(finite, axis=block_axes, keepdims=True)
-    xs = _flush(jnp.where(finite, blocks, 0.0))
+    xs = flush_subnormal(jnp.where(finite, blocks, 0.0))
     magnitudes = jnp.abs(xs)
     global_scale = nvfp4_global_scale(jnp.max(magnitudes))
     block_amax = jnp.max(magnitudes, axis=block_axes, keepdims=True)
 
     s_b, encode = _block_scales(block_amax, global_scale)
-    y = jnp.minimum(jnp.abs(_flush(xs * encode)), _E2M1_MAX)
+    y = jnp.minimum(jnp.abs(flush_subnormal(xs * encode)), _E2M1_MAX)
     random_bits = None
     if rounding == "stochastic":
         random_bits = stochastic_bits(key, x_last.shape).reshape(blocks.shape)

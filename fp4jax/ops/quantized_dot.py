@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4jax.ops import quantize
+from fp4jax.ops import nvfp4, quantize
 from fp4jax.ops.kernels import backends, fused_quantize
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import random_signs, rotate_blocks
@@ -163,11 +163,23 @@ def _normalize_dims(dimension_numbers) -> Dims:
 
 
 def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
-    """Quantizes a (B, F, C) operand along C; a plain operand passes through unchanged."""
+    """Quantizes a (B, F, C) operand along C; a plain operand passes through unchanged.
+
+    NVFP4 with 2D blocks tiles (F, C) in 16 x 16 tiles: F must be a multiple of 16 (C is padded already).
+    """
     if spec.kind == "none":
         return x
     if spec.kind == "fp8":
         return quantize.quantize_fp8(x, elem=spec.elem, scale=fp8_scale)
+    if spec.kind == "nvfp4":
+        if spec.block_2d and x.shape[-2] % spec.block_size:
+            raise ValueError(
+                f"2D NVFP4 tiles need both of the weight's GEMM axes to be multiples of {spec.block_size}; "
+                f"its free axis has {x.shape[-2]}: pad the layer's features or use 1D blocks (block_2d=False)"
+            )
+        return nvfp4.quantize_nvfp4(
+            x, axis=-1, block_2d=spec.block_2d, block_size=spec.block_size, rounding=spec.rounding, key=key
+        )
     return quantize.quantize_mx(
         x,
         axis=-1,
@@ -309,9 +321,9 @@ def quantize_gemm_operands(
 
     a and c are (B, *, *) with the contraction on a_axis / c_axis (-1 row-wise, -2 column-wise). Both are
     zero-padded along it, rotated (one set of signs for both) and quantized; the results are (B, M, K) and
-    (B, N, K): MXArray, FP8Array, the plain array, or fold.FoldedOperand where the fused quantizer folds
-    for the fp8 back end (`backends.quantizer_folds`). `backend` is resolved (not "auto"); `quantizer`
-    is a Recipe.quantizer value (`_fused_impl`).
+    (B, N, K): MXArray, NVFP4Array, FP8Array, the plain array, or fold.FoldedOperand where the fused
+    quantizer folds for the fp8 back end (`backends.quantizer_folds`). `backend` is resolved (not
+    "auto"); `quantizer` is a Recipe.quantizer value (`_fused_impl`).
     """
     return _quantize_operands(
         a, a_axis, c, c_axis, gemm, _gemm_keys(gemm, key), fp8_scales, backend=backend, quantizer=quantizer

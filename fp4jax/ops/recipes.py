@@ -18,11 +18,13 @@ from __future__ import annotations
 import dataclasses
 
 from fp4jax.ops.formats import ALL_ELEM_FORMATS, ELEM_FORMATS, require_power_of_two
+from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_ROUNDING_MODES
 from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "BACKENDS",
+    "BLOCK_KINDS",
     "FP8_ELEMS",
     "FP8_SCALINGS",
     "FP8_SCALING_MODES",
@@ -37,6 +39,9 @@ __all__ = [
     "MXFP6_E2M3",
     "MXFP6_E3M2",
     "MXFP8",
+    "NVFP4",
+    "NVFP4_SR",
+    "NVFP4_W2D",
     "NVIDIA_RHT_SEED",
     "PRESETS",
     "QUANTIZERS",
@@ -45,6 +50,7 @@ __all__ = [
     "RHT16_PER_RUN",
     "ROTATION_KINDS",
     "SIGN_POLICIES",
+    "WEIGHT_OPERANDS",
     "GemmSpec",
     "QuantSpec",
     "Recipe",
@@ -55,7 +61,12 @@ __all__ = [
 ]
 
 
-QUANT_KINDS = ("none", "mx", "fp8")
+GEMMS = ("fprop", "dgrad", "wgrad")  # a Recipe's three GemmSpec fields, in Recipe.gemms order
+QUANT_KINDS = ("none", "mx", "fp8", "nvfp4")
+# The kinds quantized in blocks along the contraction axis (their block size pads it).
+BLOCK_KINDS = ("mx", "nvfp4")
+# The operands that are the weight W, as (GEMM, side): the only ones that may take 2D NVFP4 blocks.
+WEIGHT_OPERANDS = (("fprop", "rhs"), ("dgrad", "rhs"))
 # Per-tensor FP8 elements; MX operands take any of formats.ALL_ELEM_FORMATS (E2M1, E2M3, E3M2, E4M3, E5M2).
 FP8_ELEMS = tuple(name for name in ELEM_FORMATS if name != "e2m1")
 FP8_SCALINGS = ("current", "delayed")
@@ -80,9 +91,14 @@ def _check_choice(value, choices, what: str) -> None:
 class QuantSpec:
     """How one GEMM operand is quantized along that GEMM's contraction axis.
 
-    kind "none" leaves the operand in its own dtype; "mx" is MX block quantization (elem, block_size,
-    scale_mode, rounding); "fp8" is per-tensor FP8 (elem e4m3/e5m2, current or delayed scaling,
-    round-half-even).
+    kind "none" leaves the operand in its own dtype; "mx" is MX block quantization (elem any of
+    formats.ALL_ELEM_FORMATS: MXFP4 E2M1, MXFP6 E2M3/E3M2, MXFP8 E4M3/E5M2; block_size, scale_mode,
+    rounding); "fp8" is per-tensor FP8 (elem e4m3/e5m2, current or delayed scaling, round-half-even);
+    "nvfp4" is NVFP4 (nvfp4.quantize_nvfp4: E2M1 elements, E4M3 scales per 16, one float32 scale per
+    tensor; rounding nearest_even or stochastic; block_2d: 16 x 16 tiles, for the weight only, so that
+    Fprop and Dgrad see the same quantized W).
+
+    block_size defaults to the kind's own: 16 for "nvfp4" (the only size it takes), 32 otherwise.
 
     prescale (mx only): each block's scale is chosen from the operand itself, then its scaled values are
     multiplied by prescale before rounding (quantize_mx's `prescale`); the GEMM's output is divided by
@@ -94,16 +110,19 @@ class QuantSpec:
 
     kind: str = "none"
     elem: str = "e2m1"
-    block_size: int = 32
+    block_size: int | None = None
     # "floor" (OCP MX v1.0's rule) is quantize_mx's default too, so a spec and a bare quantize_mx call
     # agree; the study's MXFP4 operand (MXFP4 below) sets AMD's "even" rule explicitly.
     scale_mode: str = "floor"
     rounding: str = "nearest_even"
     fp8_scaling: str = "current"
     prescale: float = 1.0
+    block_2d: bool = False
 
     def __post_init__(self):
         _check_choice(self.kind, QUANT_KINDS, "quantization kind")
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", NVFP4_BLOCK_SIZE if self.kind == "nvfp4" else 32)
         _check_choice(self.elem, tuple(ALL_ELEM_FORMATS), "element format")
         _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
         _check_choice(self.rounding, ROUNDING_MODES, "rounding")
@@ -117,10 +136,39 @@ class QuantSpec:
             raise ValueError(f"an fp8 operand needs elem 'e4m3' or 'e5m2', not {self.elem!r}")
         if self.kind == "fp8" and self.rounding != "nearest_even":
             raise ValueError("fp8 per-tensor operands round half-to-even only")
+        if not isinstance(self.block_2d, bool):
+            raise ValueError(f"block_2d must be True or False, got {self.block_2d!r}")
+        if self.block_2d and self.kind != "nvfp4":
+            raise ValueError(f"block_2d (16 x 16 tiles) applies to NVFP4 operands only, not {self.kind!r}")
+        if self.kind == "nvfp4":
+            self._check_nvfp4()
+
+    def _check_nvfp4(self) -> None:
+        if self.elem != "e2m1":
+            raise ValueError(f"NVFP4 elements are E2M1: drop elem={self.elem!r} (or use kind='mx' for it)")
+        if self.block_size != NVFP4_BLOCK_SIZE:
+            raise ValueError(
+                f"NVFP4 blocks are {NVFP4_BLOCK_SIZE} elements, got block_size={self.block_size}: "
+                f"drop block_size (or use kind='mx' for blocks of {self.block_size})"
+            )
+        if self.rounding not in NVFP4_ROUNDING_MODES:
+            raise ValueError(
+                f"NVFP4 rounds {' or '.join(NVFP4_ROUNDING_MODES)}, not {self.rounding!r}: choose one of them"
+            )
+        if self.scale_mode != "floor":
+            raise ValueError(
+                f"scale_mode={self.scale_mode!r} is an MX scale rule; NVFP4 block scales are E4M3 under a "
+                "per-tensor scale (docs/numerics.md): drop scale_mode"
+            )
+
+    @property
+    def blocked(self) -> bool:
+        """True for the kinds quantized in blocks along the contraction axis (mx, nvfp4)."""
+        return self.kind in BLOCK_KINDS
 
     @property
     def needs_key(self) -> bool:
-        return self.kind == "mx" and self.rounding == "stochastic"
+        return self.blocked and self.rounding == "stochastic"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +216,7 @@ class GemmSpec:
     @property
     def contraction_multiple(self) -> int:
         """What the contraction axis is zero-padded to: every MX block and rotation block must fit."""
-        sizes = [s.block_size for s in (self.lhs, self.rhs) if s.kind == "mx"]
+        sizes = [s.block_size for s in (self.lhs, self.rhs) if s.blocked]
         return self.rotation.length_multiple(max(sizes, default=1))
 
 
@@ -202,6 +250,14 @@ class Recipe:
         _check_choice(self.fp8_amax_compute_algo, AMAX_COMPUTE_ALGOS, "fp8_amax_compute_algo")
         if not isinstance(self.fp8_amax_history_len, int) or self.fp8_amax_history_len < 1:
             raise ValueError(f"fp8_amax_history_len must be an int >= 1, got {self.fp8_amax_history_len!r}")
+        for stage in GEMMS:
+            for side in ("lhs", "rhs"):
+                spec = getattr(getattr(self, stage), side)
+                if spec.block_2d and (stage, side) not in WEIGHT_OPERANDS:
+                    raise ValueError(
+                        f"{stage}.{side} has block_2d=True, but 2D NVFP4 tiles are for the weight W only "
+                        "(fprop.rhs, dgrad.rhs): use 1D blocks (block_2d=False) there"
+                    )
 
     @property
     def gemms(self) -> tuple[GemmSpec, GemmSpec, GemmSpec]:
@@ -240,6 +296,12 @@ MXFP4_SR_PRESCALE = dataclasses.replace(MXFP4_SR, prescale=0.75)
 # rounding, so that in a format comparison the element format is the only difference.
 MXFP6_E2M3 = dataclasses.replace(MXFP4, elem="e2m3")
 MXFP6_E3M2 = dataclasses.replace(MXFP4, elem="e3m2")
+# NVFP4 (arXiv 2509.25149; the quantizer is nvfp4.quantize_nvfp4): E2M1 elements, E4M3 scales per 16,
+# one FP32 scale per tensor, round-to-nearest-even; with stochastic rounding (NVIDIA's gradients); and
+# the weight's 16 x 16 tiles (NVIDIA's weights: Fprop and Dgrad see the same quantized W).
+NVFP4 = QuantSpec(kind="nvfp4", rounding="nearest_even")
+NVFP4_SR = dataclasses.replace(NVFP4, rounding="stochastic")
+NVFP4_W2D = dataclasses.replace(NVFP4, block_2d=True)
 # NVIDIA's MXFP8 recipe: E4M3 everywhere, scales rounded up (RCEIL).
 MXFP8 = QuantSpec(kind="mx", elem="e4m3", block_size=32, scale_mode="ceil", rounding="nearest_even")
 
@@ -263,7 +325,6 @@ def _recipe(name: str, **gemms: GemmSpec) -> Recipe:
 # The MLPerf llama3.1_8b reference's FP8 (NeMo MegatronMixedPrecision: fp8="hybrid",
 # fp8_amax_history_len=4, fp8_amax_compute_algo="most_recent"): Transformer Engine's hybrid format
 # (E4M3 forward, E5M2 gradients) with delayed scaling over a 4-step history, scaled by the newest amax.
-GEMMS = ("fprop", "dgrad", "wgrad")  # a Recipe's three GemmSpec fields, in Recipe.gemms order
 MLPERF_FP8_HISTORY_LEN = 4
 MLPERF_FP8_AMAX_ALGO = "most_recent"
 
@@ -288,6 +349,14 @@ _NVIDIA = dict(
     fprop=_mxfp4_gemm(),
     dgrad=GemmSpec(MXFP4_SR, MXFP4),  # (dy, W)
     wgrad=GemmSpec(MXFP4, MXFP4_SR, RHT16_PER_RUN),  # (x, dy)
+)
+# NVIDIA's NVFP4 recipe itself (arXiv 2509.25149, section 4): NVFP4 in all three GEMMs, W in 16 x 16 tiles
+# (both of its GEMMs), dy rounded stochastically (both of its GEMMs), x and W to nearest, one fixed
+# random-sign H16 on Wgrad's inputs. Its final BF16 layers are the model's `bf16_last_blocks`.
+_NVIDIA_NVFP4 = dict(
+    fprop=GemmSpec(NVFP4, NVFP4_W2D),  # (x, W)
+    dgrad=GemmSpec(NVFP4_SR, NVFP4_W2D),  # (dy, W)
+    wgrad=GemmSpec(NVFP4, NVFP4_SR, RHT16_PER_RUN),  # (x, dy)
 )
 
 
@@ -343,6 +412,8 @@ PRESETS: dict[str, Recipe] = {
     ),
     **_format_rungs("mxfp6_e2m3", MXFP6_E2M3),
     **_format_rungs("mxfp6_e3m2", MXFP6_E3M2),
+    **_format_rungs("nvfp4", NVFP4),
+    "nvfp4_nvidia": _recipe("nvfp4_nvidia", **_NVIDIA_NVFP4),
 }
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fp4jax.ops import nvfp4
 from fp4jax.ops.kernels import fold, probes
 from fp4jax.ops.kernels.probes import (
     NATIVE_BLOCK_SIZE,
@@ -138,7 +139,40 @@ def _emulate_input(operand, keep_fp8: bool):
     return operand, None
 
 
+def _nvfp4_input(operand):
+    """(values to multiply, float32 scalar the product is multiplied by, or None) in a GEMM with an NVFP4
+    operand: NVFP4 blocks as q * s_b (exact in bf16) and S_dec; FP8 data and 1 / scale."""
+    if isinstance(operand, nvfp4.NVFP4Array):
+        return operand.block_values(jnp.bfloat16), operand.decode_scale()
+    if isinstance(operand, FP8Array):
+        return operand.data.astype(jnp.bfloat16), jnp.float32(1.0) / operand.scale
+    if isinstance(operand, MXArray):
+        return operand.dequantize(jnp.bfloat16), None
+    return operand, None
+
+
+def _emulate_nvfp4(a, c, precision) -> jax.Array:
+    """A GEMM with an NVFP4 operand: out = float32(sum_k v_a v_c) * float32(m_a * m_c), v and m from
+    _nvfp4_input (for two NVFP4 operands m_a * m_c = S_dec_a * S_dec_c, the GEMM's alpha as NVIDIA's
+    NVFP4 GEMMs take it), one float32 rounding of the product, which is flushed to zero below float32's
+    normal range so that every back end gives the same (docs/numerics.md)."""
+    (a_values, a_mult), (c_values, c_mult) = _nvfp4_input(a), _nvfp4_input(c)
+    dtype = jnp.promote_types(a_values.dtype, c_values.dtype)
+    out = jax.lax.dot_general(
+        a_values.astype(dtype),
+        c_values.astype(dtype),
+        _BMK_BNK,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    mults = [m for m in (a_mult, c_mult) if m is not None]
+    alpha = mults[0] if len(mults) == 1 else nvfp4.flush_subnormal(mults[0] * mults[1])
+    return out * alpha
+
+
 def _emulate(a, c, precision, out_dtype=jnp.float32) -> jax.Array:
+    if isinstance(a, nvfp4.NVFP4Array) or isinstance(c, nvfp4.NVFP4Array):
+        return _emulate_nvfp4(a, c, precision)
     both_fp8 = isinstance(a, FP8Array) and isinstance(c, FP8Array)
     a_values, a_scale = _emulate_input(a, both_fp8)
     c_values, c_scale = _emulate_input(c, both_fp8)
