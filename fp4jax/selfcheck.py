@@ -10,7 +10,8 @@ dx = dy W^T, wgrad dW = x^T dy) under the recipe (default mxfp4_full_h16) agains
 error relative to emulate's largest output, the bound it must stay within, and TFLOP/s (median over
 timed runs after warm-up; 3 GEMMs per forward+backward). On a GPU it also reads the compiled program
 and says whether the GEMMs really run on FP8 operands. Then the same GEMM check for the full rung of
-every block format (FORMAT_RECIPES: MXFP4, MXFP6 E2M3 and E3M2, MXFP8; `--formats ""` skips it).
+every block format (FORMAT_RECIPES: MXFP4, MXFP6 E2M3 and E3M2, MXFP8, NVFP4 and NVIDIA's NVFP4 recipe;
+`--formats ""` skips it).
 Finally a few training steps of the tiny model (loss finite and falling). Exit status 0 only if every
 check passed, 1 otherwise, 2 on bad arguments.
 """
@@ -59,7 +60,7 @@ DIMS = (((1,), (0,)), ((), ()))  # x[T, K] @ w[K, N]
 # room for that and still catches any wrong element (one E2M1 grid step moves an output by ~1e-2).
 BOUNDS = {"cpu": 1e-6, "gpu": 1e-4}
 # The full rung of every block format, each GEMM-checked on every back end of the machine.
-FORMAT_RECIPES = ("mxfp4_full", "mxfp6_e2m3_full", "mxfp6_e3m2_full", "mxfp8")
+FORMAT_RECIPES = ("mxfp4_full", "mxfp6_e2m3_full", "mxfp6_e3m2_full", "mxfp8", "nvfp4_full", "nvfp4_nvidia")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,9 +200,10 @@ def check_gemms(
 
 
 def _folds(recipe: str) -> bool:
-    """Whether the fp8 back end folds every MX operand of the recipe (E2M1 elements only)."""
-    specs = [s for g in PRESETS[recipe].gemms for s in (g.lhs, g.rhs) if s.kind == "mx"]
-    return all(s.elem == "e2m1" for s in specs)
+    """Whether the fp8 back end folds every block-scaled operand of the recipe (MX E2M1 elements only;
+    not NVFP4, not MXFP6/MXFP8)."""
+    specs = [s for g in PRESETS[recipe].gemms for s in (g.lhs, g.rhs) if s.blocked]
+    return all(s.kind == "mx" and s.elem == "e2m1" for s in specs)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ DEFAULT_LANE = {
     "test_configs.py": 10,
     "test_multidevice.py": 9,
     "test_formats_mxfp6.py": 11,
+    "test_formats_nvfp4_gemm.py": 20,
+    "test_formats_train.py": 15,
 }
 LONG_LANE = {
     "test_multiprocess.py": 480,
@@ -45,6 +47,7 @@ LONG_LANE = {
     "test_gemm_operands.py": 48,
     "test_ladder.py": 40,
     "test_train.py": 33,
+    "test_formats_train.py": 40,
 }
 
 

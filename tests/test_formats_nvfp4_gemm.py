@@ -12,6 +12,7 @@ bits. The quantizer alone: tests/test_nvfp4.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import formats_reference as fref
 import jax
@@ -228,6 +229,7 @@ def test_2d_weight_tiles_need_features_in_multiples_of_16():
 # every GEMM's operands, bit for bit
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _gemm_operands(recipe: Recipe, x, w, dy, key):
     """{stage: (qa, qc)} as mx_dot_general quantizes them: x (T, K) row-wise in Fprop and column-wise in
     Wgrad; W (K, N) column-wise in Fprop and row-wise in Dgrad (a Dense kernel, read in place)."""

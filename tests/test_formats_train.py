@@ -1,0 +1,36 @@
+"""A tiny training run per block format through the trainer (tests/tiny_runs.py: tiny_c4 shrunk).
+
+NVIDIA's NVFP4 recipe runs in the default lane with its final block in BF16 (the model's
+`bf16_last_blocks`, how the recipe keeps its last layers in high precision); the other formats' full
+rungs (MXFP6 E2M3 and E3M2, MXFP8, NVFP4) in the long lane. Each: the loss is finite at every update
+and falls, and the run's summary records the recipe and the resolved back end.
+"""
+
+import json
+import math
+
+import long_lane
+from tiny_runs import compilation_cache, tiny_config, train_losses
+
+from fp4jax.train import train
+
+FIXTURES = (compilation_cache,)  # the session's tiny-run fixtures (conftest.py)
+
+RUNS = [
+    ("nvfp4_nvidia", {"model.bf16_last_blocks": 1}),
+    ("nvfp4_full", {}),
+    ("mxfp6_e2m3_full", {}),
+    ("mxfp6_e3m2_full", {}),
+    ("mxfp8", {}),
+]
+
+
+@long_lane.parametrize("recipe, overrides", RUNS)
+def test_tiny_run_trains(tmp_path, token_cache, recipe, overrides):
+    quiet = {"checkpoint_every_steps": 0, "eval_every_sequences": 10**9}
+    train(tiny_config(token_cache, recipe=recipe, **quiet, **overrides), str(tmp_path))
+    losses = train_losses(tmp_path)
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.5, losses
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["recipe"] == recipe and summary["execution"]["backend"], summary
