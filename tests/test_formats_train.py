@@ -34,3 +34,18 @@ def test_tiny_run_trains(tmp_path, token_cache, recipe, overrides):
     assert losses[-1] < losses[0] - 0.5, losses
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["recipe"] == recipe and summary["execution"]["backend"], summary
+
+
+def test_the_formats_plan_loads_and_names_presets():
+    """fp4jax/study/plans/formats125m.toml: one stage whose arms are every block format's full rung."""
+    import os
+
+    from fp4jax.ops import PRESETS
+    from fp4jax.study.plan import load_plan
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plan = load_plan(os.path.join(root, "fp4jax", "study", "plans", "formats125m.toml"))
+    arms = plan.stage("formats").arms
+    assert set(arms.values()) <= set(PRESETS)
+    formats = {"mxfp4_full", "mxfp6_e2m3_full", "mxfp6_e3m2_full", "nvfp4_full", "nvfp4_nvidia"}
+    assert formats <= set(arms.values())
