@@ -46,7 +46,7 @@ def test_fused_quantizer_refuses_mxfp6_in_one_line(elem):
     assert not fused_quantize.pallas_supports((1024, 1024), -1, MXFP6[elem], RotationSpec())
 
 
-@pytest.mark.parametrize("name", ["mxfp6_e2m3_full", "mxfp6_e3m2_full_h16"])
+@pytest.mark.parametrize("name", ["mxfp6_e3m2_full_h16"])
 def test_every_quantizer_setting_gives_the_reference_paths_bits(name):
     """quantizer "xla" would run the fused XLA formulation on MXFP4 operands; MXFP6 operands take the
     reference path under it, so the three settings agree bit for bit."""

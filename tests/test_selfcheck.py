@@ -63,14 +63,25 @@ def test_the_backends_worth_checking_follow_the_hardware(monkeypatch, vendor, ar
 
 def test_selfcheck_passes_here(capsys):
     """On the CPU lane `auto` is emulate; on a GPU lane whatever the dispatch table gives that device."""
-    code = selfcheck.main(["--small", "--train-steps", "6"])
+    formats = "mxfp6_e3m2_full,nvfp4_nvidia"  # two other formats here; all of them in the long lane (below)
+    code = selfcheck.main(["--small", "--train-steps", "6", "--formats", formats])
     out = capsys.readouterr().out
     assert f"auto picks: {backends.resolve_backend('auto')}" in out
     assert "fp8" in out and "AGREE" in out and "DISAGREE" not in out
     assert "loss falling" in out
-    for name in selfcheck.FORMAT_RECIPES:  # every block format's GEMMs on every back end
+    for name in formats.split(","):
         assert f"recipe {name}:" in out, name
     assert out.rstrip().endswith("self-check PASSED") and code == 0
+
+
+@pytest.mark.slow
+def test_selfcheck_covers_every_format_by_default(capsys):
+    """With no --formats the self-check GEMM-checks every block format's rungs on every back end here."""
+    code = selfcheck.main(["--small", "--train-steps", "0"])
+    out = capsys.readouterr().out
+    for name in selfcheck.FORMAT_RECIPES:
+        assert f"recipe {name}:" in out, name
+    assert "DISAGREE" not in out and out.rstrip().endswith("self-check PASSED") and code == 0
 
 
 def test_selfcheck_rejects_bad_arguments():
