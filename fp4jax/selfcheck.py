@@ -39,6 +39,7 @@ from fp4jax.ops import (
     DeviceDescription,
     choose_backend,
     describe_device,
+    fp8_unfolded,
     mx_dot_general,
     resolve_execution,
     scaled_dot_compile_error,
@@ -192,18 +193,11 @@ def check_gemms(
             types = gemm_operand_types(fn.lower(x, w, dy).compile().as_text())
             fp8_gemms = sum(t.startswith("f8") for t in types)
             print(f"           GEMM operand types in the compiled program: {types}")
-            if _folds(recipe):
+            if not fp8_unfolded(PRESETS[recipe]):
                 ok &= _report(fp8_gemms >= 3, "all three GEMMs run on FP8 operands")
             else:
                 print("           its MX elements do not fold into E4M3: the GEMMs run as in emulate")
     return ok
-
-
-def _folds(recipe: str) -> bool:
-    """Whether the fp8 back end folds every block-scaled operand of the recipe (MX E2M1 elements only;
-    not NVFP4, not MXFP6/MXFP8)."""
-    specs = [s for g in PRESETS[recipe].gemms for s in (g.lhs, g.rhs) if s.blocked]
-    return all(s.kind == "mx" and s.elem == "e2m1" for s in specs)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from fp4jax.ops import PRESETS, mx_dot_general, quantize_mx
+from fp4jax.ops import PRESETS, is_foldable, mx_dot_general, quantize_mx
 from fp4jax.ops.execution import resolve_execution
 from fp4jax.ops.kernels import backends, fused_quantize
 from fp4jax.ops.recipes import MXFP6_E2M3, MXFP6_E3M2, QuantSpec, RotationSpec
@@ -69,6 +69,22 @@ def test_fp8_back_end_multiplies_mxfp6_as_emulate(elem):
     got = backends.matmul(qa, qc, backend="fp8")
     want = backends.matmul(qa, qc, backend="emulate")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("elem", ["e2m1", *sorted(MXFP6), "e4m3", "e5m2"])
+def test_the_spec_rule_of_the_fold_is_the_array_rule(elem):
+    """backends.fp8_folds (what recipes, the resolved reason and the self-check ask) says of a QuantSpec
+    what fold.is_foldable says of the MXArray it quantizes to; NVFP4 never folds."""
+    x = jax.random.normal(jax.random.key(3), (1, 4, 64))
+    spec = QuantSpec(kind="mx", elem=elem)
+    assert backends.fp8_folds(spec) == is_foldable(quantize_mx(x, axis=-1, elem=elem, block_size=32))
+    assert not backends.fp8_folds(QuantSpec(kind="nvfp4"))
+
+
+def test_fp8_unfolded_lists_a_recipes_block_scaled_operands_the_fold_refuses():
+    assert backends.fp8_unfolded(PRESETS["mxfp4_full"]) == () == backends.fp8_unfolded(PRESETS["fp8"])
+    assert backends.fp8_unfolded(PRESETS["mxfp6_e2m3_fprop"]) == (MXFP6_E2M3, MXFP6_E2M3)
+    assert {s.kind for s in backends.fp8_unfolded(PRESETS["nvfp4_full"])} == {"nvfp4"}
 
 
 def test_the_resolved_execution_names_the_operands_fp8_cannot_fold(monkeypatch):

@@ -20,7 +20,13 @@ from fp4jax.ops import mx_dot
 from fp4jax.ops.execution import Execution, resolve_execution
 from fp4jax.ops.flax_adapters import NnxQuantDotGeneral, QuantDotGeneral
 from fp4jax.ops.formats import ELEM_FORMATS, ElemFormat, get_elem_format
-from fp4jax.ops.kernels.backends import fp8_dot_precision, fp8_matmul, fp8_scaled_matmul, matmul
+from fp4jax.ops.kernels.backends import (
+    fp8_dot_precision,
+    fp8_matmul,
+    fp8_scaled_matmul,
+    fp8_unfolded,
+    matmul,
+)
 from fp4jax.ops.kernels.fold import FoldedOperand, count_fold_flushes, fold_mx_to_fp8, is_foldable
 from fp4jax.ops.kernels.fused_quantize import KernelConfig, choose_impl, pallas_supports, rotate_quantize
 from fp4jax.ops.kernels.fused_quantize_pallas import Tile
@@ -103,6 +109,7 @@ __all__ = [
     "fp8_matmul",
     "fp8_scale_from_history",
     "fp8_scaled_matmul",
+    "fp8_unfolded",
     "get_elem_format",
     "get_recipe",
     "hadamard",

@@ -58,21 +58,22 @@ def _kernel_extras(recipe: Recipe) -> str:
 def _unfolded(recipe: Recipe, backend: str) -> str:
     """Which operands the resolved back end multiplies as emulate, as a clause for the reason; else nothing.
 
-    fp8: MX operands it cannot fold exactly into E4M3 (all but E2M1, backends.fp8_supports) and NVFP4
-    operands (E4M3 block scales times E2M1 elements leave E4M3's grid). native: NVFP4 operands
-    (jax.lax.scaled_dot is used for MX operands only, backends.native_supports).
+    fp8: the block-scaled operands it does not fold exactly into E4M3 (backends.fp8_unfolded: MX other
+    than E2M1, NVFP4). native: NVFP4 operands (jax.lax.scaled_dot is used for MX operands only,
+    backends.native_supports).
     """
-    operands = [s for g in recipe.gemms for s in (g.lhs, g.rhs)]
-    nvfp4 = ["NVFP4"] if any(s.kind == "nvfp4" for s in operands) else []
     if backend == "fp8":
-        elems = sorted({s.elem.upper() for s in operands if s.kind == "mx" and s.elem != "e2m1"})
-        names, why = [f"{e} MX" for e in elems] + nvfp4, "no exact fold"
+        unfolded = backends.fp8_unfolded(recipe)
+        why = "no exact fold"
     elif backend == "native":
-        names, why = nvfp4, "native takes MX operands only"
+        unfolded = tuple(s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "nvfp4")
+        why = "native takes MX operands only"
     else:
         return ""
-    if not names:
+    if not unfolded:
         return ""
+    elems = sorted({s.elem.upper() for s in unfolded if s.kind == "mx"})
+    names = [f"{e} MX" for e in elems] + (["NVFP4"] if any(s.kind == "nvfp4" for s in unfolded) else [])
     return f"; GEMMs with {' or '.join(names)} operands run as in emulate ({why})"
 
 

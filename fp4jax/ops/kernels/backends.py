@@ -43,15 +43,17 @@ from fp4jax.ops.kernels.probes import (
     NATIVE_MN_MULTIPLE,
 )
 from fp4jax.ops.quantize import FP8Array, MXArray
-from fp4jax.ops.recipes import BACKENDS
+from fp4jax.ops.recipes import BACKENDS, QuantSpec, Recipe
 
 __all__ = [
     "BACKENDS",
     "check_backend",
     "fp8_dot_precision",
+    "fp8_folds",
     "fp8_matmul",
     "fp8_scaled_matmul",
     "fp8_supports",
+    "fp8_unfolded",
     "matmul",
     "native_supports",
     "quantizer_folds",
@@ -248,13 +250,33 @@ def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
     return _runs_as_fp8(a_fold, c_fold, isinstance(a, FP8Array), isinstance(c, FP8Array), fp8_dtype)
 
 
-def quantizer_folds(a_spec, c_spec, backend: str) -> bool:
+def fp8_folds(spec: QuantSpec) -> bool:
+    """Whether the fp8 back end folds operands quantized by `spec` exactly into E4M3: MX with E2M1 elements
+    (the spec-side twin of fold.is_foldable; a GEMM operand's blocks always lie on its contraction axis).
+
+    MXFP6's E2M3/E3M2 and MXFP8's elements do not fit one E4M3 grid per row in general, and NVFP4's E4M3
+    block scales times E2M1 elements leave E4M3's grid: GEMMs with such an operand run as in emulate (the
+    same numbers). The one statement of the rule for recipes: quantizer_folds, fp8_unfolded and, through
+    fp8_unfolded, execution's resolved reason and the self-check's FP8-GEMM count use it.
+    """
+    return spec.kind == "mx" and spec.elem == "e2m1"
+
+
+def fp8_unfolded(recipe: Recipe) -> tuple[QuantSpec, ...]:
+    """The recipe's block-scaled operands (QuantSpec.blocked) that the fp8 back end does not fold
+    (fp8_folds), in GEMM order (fprop, dgrad, wgrad; lhs before rhs). Empty: every GEMM with a block-scaled
+    operand runs as one FP8 GEMM there; per-tensor FP8 and unquantized operands are not listed."""
+    operands = (s for g in recipe.gemms for s in (g.lhs, g.rhs))
+    return tuple(s for s in operands if s.blocked and not fp8_folds(s))
+
+
+def quantizer_folds(a_spec: QuantSpec, c_spec: QuantSpec, backend: str) -> bool:
     """Whether a fused quantizer should write this GEMM's E2M1 MX operands already folded: when the fp8 back
     end will run it as one FP8 GEMM in float8_e4m3fn (the fused fold writes that type only; on FNUZ
-    devices the quantizer writes MX and the back end folds). Specs are recipes.QuantSpec."""
+    devices the quantizer writes MX and the back end folds)."""
     if backend != "fp8" or jnp.dtype(probes.device_fold_dtype()) != jnp.dtype(jnp.float8_e4m3fn):
         return False
-    a_fold, c_fold = (s.kind == "mx" and s.elem == "e2m1" for s in (a_spec, c_spec))
+    a_fold, c_fold = (fp8_folds(s) for s in (a_spec, c_spec))
     return _runs_as_fp8(a_fold, c_fold, a_spec.kind == "fp8", c_spec.kind == "fp8", jnp.float8_e4m3fn)
 
 
