@@ -4,18 +4,21 @@ NVFP4 operands (1D blocks and 2D tiles, nearest and stochastic rounding) and the
 Nothing here imports fp4jax. The NVFP4 operand rule is written from docs/numerics.md ("NVFP4"), which
 is Transformer Engine's quantizer as NVIDIA's recipe (arXiv 2509.25149) uses it: numpy float32
 arithmetic (IEEE, one rounding per operation, subnormals kept, so the rule's flushes are written out),
-and the E4M3 / E2M1 roundings onto grids decoded here from the formats' bit fields (nearest with ties
-to the even code; stochastic: up exactly when u < (y - lo) / (hi - lo), u the top 24 of the element's 32
-random bits). A GEMM multiplies the operands' q * s_b exactly (float64) and applies the two per-tensor
-decode scales as one float32 multiply by float32(S_dec_a * S_dec_c), flushed below float32's normal range.
+and the E4M3 / E2M1 roundings by the references' one grid decoder and one grid rounding
+(mx_reference.minifloat_grid, round_on_grid: nearest with ties to the even code; stochastic: up exactly
+when u < (y - lo) / (hi - lo), u the top 24 of the element's 32 random bits). A GEMM multiplies the
+operands' q * s_b exactly (float64) and applies the two per-tensor decode scales as one float32 multiply
+by float32(S_dec_a * S_dec_c), flushed below float32's normal range.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from fractions import Fraction
 
 import numpy as np
+from mx_reference import minifloat_grid, rotate_blocks, round_on_grid
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
@@ -23,38 +26,31 @@ MIN_NORMAL = 2.0**-126
 NVFP4_BLOCK = 16
 
 
-@functools.cache
-def grid(ebits: int, mbits: int, bias: int, nan_codes: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """(finite magnitudes ascending as float64, their codes) of a sign-magnitude float format, decoded
-    from its bit fields: exponent field 0 is subnormal (exponent 1 - bias), the others normal."""
-    pairs = []
-    for code in range(2 ** (ebits + mbits)):
-        if code in nan_codes:
-            continue
-        exp_field, mant = code >> mbits, code & (2**mbits - 1)
-        frac = mant / 2**mbits
-        pairs.append(((frac if exp_field == 0 else 1 + frac) * 2.0 ** (max(exp_field, 1) - bias), code))
-    pairs.sort()
-    return np.array([v for v, _ in pairs]), np.array([c for _, c in pairs])
-
-
-E2M1 = (2, 1, 1)
+E2M1 = (2, 1, 1)  # (exponent bits, mantissa bits, bias, NaN codes): mx_reference.minifloat_grid's arguments
 E4M3 = (4, 3, 7, (0x7F,))
 
 
+@functools.cache
+def _grid(fmt) -> tuple[list[Fraction], list[int], dict[int, float]]:
+    """mx_reference.minifloat_grid of fmt, and each code's magnitude as float64 (exact: small dyadics)."""
+    values, codes = minifloat_grid(*fmt)
+    return values, codes, {c: float(v) for v, c in zip(values, codes, strict=True)}
+
+
 def round_on(y: np.ndarray, fmt, bits: np.ndarray | None = None) -> np.ndarray:
-    """Magnitudes y >= 0 (float64, each a float32 value) rounded onto fmt's grid, saturating at its top:
-    nearest with ties to the even code, or stochastic with the uint32 `bits` (y's shape)."""
-    values, codes = grid(*fmt)
+    """Magnitudes y >= 0 (float64, each a float32 value) rounded onto fmt's grid, saturating at its top,
+    element by element with mx_reference.round_on_grid (exact, in Fractions): nearest with ties to the
+    even code, or stochastic with u = the top 24 of the uint32 `bits` (y's shape) over 2^24."""
+    values, codes, magnitude = _grid(fmt)
+
+    def one(v, b):
+        u = None if b is None else Fraction(int(b) >> 8, 2**24)
+        rounding = "nearest_even" if b is None else "stochastic"
+        return magnitude[round_on_grid(Fraction(float(v)), values, codes, rounding, u)]
+
     y = np.asarray(y, np.float64)
-    i = np.clip(np.searchsorted(values, y, side="right") - 1, 0, len(values) - 2)
-    lo, hi = values[i], values[i + 1]
-    frac = (y - lo) / (hi - lo)  # exact: spacings are powers of two, y and lo share the binade's grid
-    if bits is None:
-        up = (frac > 0.5) | ((frac == 0.5) & (codes[i] % 2 == 1))
-    else:
-        up = (np.asarray(bits, np.uint64) >> 8).astype(np.float64) * 2.0**-24 < frac
-    return np.where(y >= values[-1], values[-1], np.where(up, hi, lo))
+    b = np.full(y.shape, None, object) if bits is None else np.asarray(bits, np.uint32)
+    return np.frompyfunc(one, 2, 1)(y, b).astype(np.float64)
 
 
 def flush(v) -> np.ndarray:
@@ -112,17 +108,7 @@ def gemm_alpha(s_dec_a, s_dec_c) -> np.float32:
     return flush(F32(s_dec_a) * F32(s_dec_c))[()]
 
 
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two), float64."""
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
-
-
 def rotate(x: np.ndarray, size: int, signs=None) -> np.ndarray:
-    """Blocks of `size` along the last axis times diag(signs) H_size, exactly in float64, then float32."""
-    x = np.asarray(x, np.float64)
-    s = np.ones(size) if signs is None else np.asarray(signs, np.float64)
-    blocks = x.reshape(*x.shape[:-1], -1, size) * s
-    return (blocks @ hadamard(size)).reshape(x.shape).astype(F32)
+    """Blocks of `size` along the last axis times diag(signs) H_size, exactly in float64
+    (mx_reference.rotate_blocks), then float32."""
+    return rotate_blocks(x, axis=-1, size=size, signs=signs).astype(F32)
