@@ -10,8 +10,8 @@ re-export of the model-facing subset:
 
 Groups: formats and recipes (what to compute); quantizers (quantize_mx, quantize_fp8, quantize_nvfp4,
 rotate_quantize with its KernelConfig, the fold); the quantized dot_general and its per-GEMM steps
-(quantize_gemm_operands, rotated_gemm_operands, multiply_gemm_operands); GEMM back ends and this device
-(resolve_execution, describe_device, choose_backend, ...).
+(quantize_operand, quantize_gemm_operands, rotated_gemm_operands, multiply_gemm_operands); GEMM back
+ends and this device (resolve_execution, describe_device, choose_backend, fp8_unfolded, ...).
 """
 
 # `fp4jax.ops.mx_dot` is the module of the quantized dot_general's public names (mx_dot.py), never a
@@ -58,6 +58,7 @@ from fp4jax.ops.quantized_dot import (
     mx_dot_general,
     operand_layouts,
     quantize_gemm_operands,
+    quantize_operand,
     rotated_gemm_operands,
     to_bfc,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "quantize_gemm_operands",
     "quantize_mx",
     "quantize_nvfp4",
+    "quantize_operand",
     "random_signs",
     "resolve_execution",
     "resolve_recipe",

@@ -163,9 +163,14 @@ def _normalize_dims(dimension_numbers) -> Dims:
 
 
 def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
-    """Quantizes a (B, F, C) operand along C; a plain operand passes through unchanged.
+    """One GEMM operand (B, F, C) quantized along C by `spec`, exactly as mx_dot_general quantizes it.
 
-    NVFP4 with 2D blocks tiles (F, C) in 16 x 16 tiles: F must be a multiple of 16 (C is padded already).
+    kind "none": x itself; "mx": an MXArray (quantize_mx along the last axis with the spec's element,
+    block size, scale rule, rounding and prescale); "fp8": an FP8Array with `fp8_scale` (None: current
+    scaling from x's amax); "nvfp4": an NVFP4Array (2D blocks tile (F, C) in 16 x 16 tiles: F must be a
+    multiple of 16). C must be a multiple of the block size (mx_dot_general pads it first); `key` is
+    needed only where the spec rounds stochastically (else None). No rotation: rotated_gemm_operands
+    rotates before calling this.
     """
     if spec.kind == "none":
         return x
