@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import ops
-from fp4jax.ops import KernelConfig, RotationSpec, Tile, quantize
-from fp4jax.ops.quantized_dot import quantize_operand
+from fp4jax.ops import KernelConfig, RotationSpec, Tile, quantize, quantize_operand
 
 SPEC = ops.get_recipe("mxfp4_full").fprop.lhs  # the library's MXFP4 operand (recipes.MXFP4)
 KEY = jax.random.key(0)  # every timed function takes (x, key); stochastic rounding draws from it
