@@ -14,7 +14,8 @@ fresh (as at step 0: zeros) where the source lacks it or its shape differs (anot
 a branch of the source's own recipe continues it exactly; an MXFP4 recipe, which keeps no histories,
 takes none; a recipe whose remaining FP8 GEMMs keep histories of the source's length inherits them.
 Not taken: the source's evaluations, target step and divergence-guard window (the branch's own progress
-starts empty; meta["branched_from"] records the source and step).
+starts empty; meta["branched_from"] records the source as config.init_from gave it, relative or not,
+and the step).
 
 The workdir's own checkpoints win: a branch that has saved one resumes from its newest good one and never
 reads init_from again. Bad input (no such directory or step, a checkpoint that does not verify, a model
@@ -102,8 +103,10 @@ def start_branch(config, abstract_state, train_iter) -> checkpoint.Restored:
     train_iter.set_state(data_state)
     _note_optimizer(config, meta, step_dir)
     fp8_meta, carried = merge_fp8_meta(state.fp8_meta, abstract_state.fp8_meta)
-    say(f"branched from {step_dir}: step {int(state.step)}, {carried} amax histories carried over")
-    branched = {"init_from": os.path.abspath(config.init_from), "step": int(config.init_from_step)}
+    say(f"branched from {config.init_from} at step {int(state.step)}: {carried} amax histories carried over")
+    # Recorded as the user gave it (a relative path stays relative, so a run's records do not name the
+    # machine it ran on); step_dir, resolved, is only for opening.
+    branched = {"init_from": config.init_from, "step": int(config.init_from_step)}
     return checkpoint.Restored(state.replace(fp8_meta=fp8_meta), {"branched_from": branched}, int(state.step))
 
 
