@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fp4jax.ops import quantize
-from fp4jax.ops.kernels import fold, probes, tile_math
+from fp4jax.ops.kernels import fold, probes, threefry, tile_math
 from fp4jax.ops.kernels import fused_quantize as fq
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
 from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
@@ -463,6 +463,33 @@ def test_pallas_stochastic_lowers_to_triton_without_a_gpu():
 
         text = jax.jit(run).trace(x, bits).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text
+
+
+# ----------------------------------------------------------------------------------------------------
+# stochastic rounding's bits drawn inside the kernels: threefry.py's formula is jax.random.bits
+
+
+# Keys whose two words are both non-zero (fold_in), so a swap of the words would show; and a plain seed.
+FORMULA_KEYS = (jax.random.fold_in(jax.random.key(1), 5), jax.random.key(2**31 - 3))
+
+
+def test_threefry_formula_is_jax_random_bits():
+    """threefry.random_bits at each row-major index == jax.random.bits(key, shape, uint32), bit for bit:
+    odd sizes, one element, several leading axes, the blocked shapes quantize_mx draws over."""
+    for key in FORMULA_KEYS:
+        for shape in ((1,), (7,), (3, 5, 7), (2, 3, 4, 33), (2, 3, 16, 2, 32)):
+            want = jax.random.bits(key, shape, jnp.uint32)
+            got = threefry.random_bits_of_shape(jax.random.key_data(key), shape)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_threefry_formula_applies_only_where_it_is_jax():
+    key = FORMULA_KEYS[0]
+    assert threefry.formula_applies(key, 2**32) and threefry.formula_applies(jax.random.PRNGKey(0), 64)
+    assert not threefry.formula_applies(key, 2**32 + 1)  # the counter's high word would be used
+    assert not threefry.formula_applies(jax.random.key(0, impl="rbg"), 64)
+    with jax.threefry_partitionable(False):
+        assert not threefry.formula_applies(key, 64)
 
 
 # ----------------------------------------------------------------------------------------------------
