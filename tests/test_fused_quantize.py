@@ -19,6 +19,7 @@ import pytest
 from fp4jax.ops import quantize
 from fp4jax.ops.kernels import fold, probes, threefry, tile_math
 from fp4jax.ops.kernels import fused_quantize as fq
+from fp4jax.ops.kernels.fused_quantize_pallas import Tile
 from fp4jax.ops.recipes import QuantSpec, RotationSpec
 from fp4jax.ops.rotation import hadamard, random_signs, rotate_blocks
 
@@ -377,7 +378,8 @@ def test_pallas_lowers_to_triton_without_a_gpu(access):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Pallas with stochastic rounding and prescale: the bits come in as an input, tiled like the output
+# Pallas with stochastic rounding and prescale: the kernels draw the reference's bits themselves (by
+# default; the tests of threefry.py below), or read them as an input tiled like the output (fallback)
 
 SR = QuantSpec(kind="mx", scale_mode="even", rounding="stochastic")
 SR_PRESCALE = dataclasses.replace(SR, prescale=0.75)
@@ -465,6 +467,23 @@ def test_pallas_stochastic_lowers_to_triton_without_a_gpu():
         assert "triton" in text
 
 
+def test_pallas_stochastic_with_key_words_lowers_to_triton_without_a_gpu():
+    """The kernels that draw their own bits (threefry's uint32 adds, xors, shifts; the key words read as
+    two scalars) lower to Triton for both layouts and every output method."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    x = jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16)
+    words = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    for out, column, rotation in (("mx", True, H16), ("mx", False, NO_ROTATION), ("fp8_fold", False, H16)):
+
+        def run(x, w, column=column, out=out, rotation=rotation):
+            return kernels.rotate_quantize_3d(
+                x, column, SR_PRESCALE, rotation, None, None, out, False, fq.KernelConfig(), w
+            )
+
+        assert "triton" in jax.jit(run).trace(x, words).lower(lowering_platforms=("cuda",)).as_text()
+
+
 # ----------------------------------------------------------------------------------------------------
 # stochastic rounding's bits drawn inside the kernels: threefry.py's formula is jax.random.bits
 
@@ -490,6 +509,84 @@ def test_threefry_formula_applies_only_where_it_is_jax():
     assert not threefry.formula_applies(jax.random.key(0, impl="rbg"), 64)
     with jax.threefry_partitionable(False):
         assert not threefry.formula_applies(key, 64)
+
+
+# Small tiles, so that every term of a tile's draw numbers is exercised: two batch axes, two row tiles
+# and two column tiles per batch element (two rows per one-pass program).
+SMALL_TILES = fq.KernelConfig(
+    mx_row=Tile(16, 128, 4),
+    mx_column=Tile(16, 128, 8),
+    mx_column_unrotated=Tile(16, 128, 8),
+    one_pass=Tile(1, 512, 8),
+)
+KERNEL_BITS_CASES = {  # (axis, rotation, spec, out or fold method)
+    "row-sr-mx": (-1, NO_ROTATION, SR, "mx"),  # the tile drawn whole
+    "col-h16-sr_prescale-via_mx": (-2, H16, SR_PRESCALE, "via_mx"),  # drawn by parts of 16, transposed
+    "row-h16-sr_prescale-one_pass": (-1, H16, SR_PRESCALE, "one_pass"),
+    "col-sr-mx": (-2, NO_ROTATION, SR, "mx"),  # unrotated columns: parts of column_parts
+    "row-sr-via_mx": (-1, NO_ROTATION, SR, "via_mx"),
+}
+
+
+def _batched_operand(axis: int) -> jax.Array:
+    """(2, 2, 32, 256) hard inputs in the output orientation; x itself is transposed for columns."""
+    x = jnp.asarray(_hard_inputs(rows=128, cols=256, seed=13).reshape(2, 2, 32, 256))
+    return x if axis == -1 else jnp.swapaxes(x, -1, -2)
+
+
+def _pallas_sr(x, axis, rotation, spec, out, key, config=SMALL_TILES):
+    """(rotate_quantize in interpret mode, whether its jaxpr draws bits in XLA, the reference)."""
+    out_kind = "mx" if out == "mx" else "fp8_fold"
+    if out == "via_mx":
+        config = dataclasses.replace(config, one_pass_max_row_rotated=0, one_pass_max_row_unrotated=0)
+
+    def run(x, key):
+        return fq.rotate_quantize(
+            x,
+            axis=axis,
+            spec=spec,
+            rotation=rotation,
+            key=key,
+            out=out_kind,
+            impl="pallas",
+            interpret=True,
+            config=config,
+        )
+
+    xla_draws = "random_bits" in str(jax.make_jaxpr(run)(x, key))
+    want = _reference(x, None, key, axis=axis, spec=spec, rotation=rotation, out=out_kind)
+    return run(x, key), xla_draws, want
+
+
+@long_lane.parametrize("case", list(KERNEL_BITS_CASES), default=2)
+def test_pallas_kernel_drawn_bits_match_reference(case):
+    """The kernels draw the bits themselves (no random_bits left in XLA) and give quantize_mx's codes,
+    scales and folds for the same key, over two batch axes and several tiles each way."""
+    axis, rotation, spec, out = KERNEL_BITS_CASES[case]
+    got, xla_draws, want = _pallas_sr(_batched_operand(axis), axis, rotation, spec, out, FORMULA_KEYS[0])
+    assert not xla_draws
+    _assert_same(got, want)
+
+
+def test_pallas_falls_back_to_xla_drawn_bits_where_the_formula_is_not_jax():
+    """Without jax_threefry_partitionable (jax then draws other bits), with a non-threefry key, or with
+    KernelConfig(kernel_bits=False), XLA draws the bits and the kernels read them: the reference's bits
+    still. The first is checked to differ from the partitionable draw, so equality there says something."""
+    axis, rotation, spec, out = KERNEL_BITS_CASES["row-sr-mx"]
+    x, key = _batched_operand(axis), FORMULA_KEYS[0]
+    with jax.threefry_partitionable(False):
+        got, xla_draws, want = _pallas_sr(x, axis, rotation, spec, out, key)
+    assert xla_draws
+    _assert_same(got, want)
+    partitionable, _, _ = _pallas_sr(x, axis, rotation, spec, out, key)
+    assert np.any(_bits(partitionable.data) != _bits(got.data))
+    for other_key, config in (
+        (jax.random.key(3, impl="rbg"), SMALL_TILES),
+        (key, dataclasses.replace(SMALL_TILES, kernel_bits=False)),
+    ):
+        got, xla_draws, want = _pallas_sr(x, axis, rotation, spec, out, other_key, config)
+        assert xla_draws
+        _assert_same(got, want)
 
 
 # ----------------------------------------------------------------------------------------------------

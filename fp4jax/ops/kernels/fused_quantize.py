@@ -27,17 +27,20 @@ integer encoding, the fold), so they give the same bits; only the tiling differs
 depend on the platform: rounding is done on integer significands (no float rounding, no flush-to-zero),
 so results equal quantize.py's exact arithmetic everywhere.
 
-Stochastic rounding and prescale run in both implementations. SR's random bits are drawn outside the
-kernels, by quantize.stochastic_bits over the very shape quantize_mx draws them over (the output
-orientation, (..., rows, n / block_size, block_size)), and handed to the kernels as one more input
-tiled like the output (uint32, one per element; for a column-wise operand x's tile is transposed in
-registers, the bits' tile is not). Row-major order over that shape is row-major over the output, so
-every element meets the reference's bit, and tile_math.encode_elements applies quantize.round_to_grid's
-own formula to it (the top 24 bits as the uniform variate): the same key gives the same bits, by
-construction. The cost is 4 bytes of bits written by XLA and read by the kernel per element. A prescale
-is quantize_mx's one float32 multiply after the exact scaling, in both implementations. (Drawing the
-bits inside the kernel would save that traffic, but matching jax's threefry counter layout, which
-depends on jax_threefry_partitionable and the jax version, would have to be checked at run time.)
+Stochastic rounding and prescale run in both implementations. SR's random bits are the reference's:
+quantize.stochastic_bits (jax.random.bits, uint32) over the very shape quantize_mx draws them over (the
+output orientation, (..., rows, n / block_size, block_size)), whose row-major order is row-major over
+the output, so element i of the output (row-major) takes draw number i. The XLA path draws them so. The
+Pallas kernels draw them themselves: jax's draw is a counter formula, threefry.random_bits(key words,
+i), and each tile evaluates it at its elements' output indices (for a column-wise operand x's tile is
+transposed in registers; the indices are the output's). That holds where threefry.formula_applies,
+asked each time the quantizer is traced (jax_threefry_partitionable on, a threefry2x32 key, at most
+2**32 elements); elsewhere, and with KernelConfig(kernel_bits=False), XLA draws the bits and the kernels
+read them as one more input tiled like the output (4 bytes written and 4 read per element more): the
+same bits either way, never a change of numerics. tile_math.encode_elements applies
+quantize.round_to_grid's own formula to them (the top 24 bits as the uniform variate), so the same key
+gives the reference's result. A prescale is quantize_mx's one float32 multiply after the exact scaling,
+in both implementations.
 
 Which implementation: impl="auto" asks `choose_impl` (Pallas where `pallas_supports`, XLA elsewhere).
 How the Pallas kernels tile and move memory is a `KernelConfig` (a static argument; the default is the
@@ -55,7 +58,7 @@ from jax import lax
 
 from fp4jax.ops import formats, quantize
 from fp4jax.ops.formats import get_elem_format
-from fp4jax.ops.kernels import fold, probes
+from fp4jax.ops.kernels import fold, probes, threefry
 from fp4jax.ops.kernels import fused_quantize_pallas as pallas_kernels
 from fp4jax.ops.kernels.codes import MAX_CODE
 from fp4jax.ops.kernels.fused_quantize_pallas import KernelConfig
@@ -186,7 +189,8 @@ def pallas_supports(
     Only on NVIDIA GPUs (the kernels are Triton; checked on an H200 by benchmarks/bench_quantize.py),
     with one device in the process (a pallas_call is opaque to XLA's sharding propagation: on a mesh it
     would need shard_map, not written yet), and full tiles (PALLAS_ROW_MULTIPLE, PALLAS_COL_MULTIPLE).
-    Every rounding mode and prescale runs in the kernels (stochastic rounding reads its bits as an input).
+    Every rounding mode and prescale runs in the kernels (stochastic rounding draws its bits in them, or
+    reads them as an input where the in-kernel draw would not be jax's).
     """
     device = probes.describe_device() if device is None else device
     device_count = jax.device_count() if device_count is None else device_count
@@ -260,14 +264,16 @@ def _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret
     out_shape = xt.shape
     n = out_shape[-1]
     sign_row = _sign_row(rotation, signs, n)
-    random_bits = _random_bits(spec, key, out_shape)
     if impl == "pallas":
         x3 = x.reshape(-1, *x.shape[-2:])
+        key_words = _kernel_key_words(spec, key, x.size, config)
+        random_bits = None if key_words is not None else _random_bits(spec, key, out_shape)
         bits3 = None if random_bits is None else random_bits.reshape(x3.shape[0], -1, n)
         raw = pallas_kernels.rotate_quantize_3d(
-            x3, column, spec, rotation, sign_row, bits3, out, interpret, config
+            x3, column, spec, rotation, sign_row, bits3, out, interpret, config, key_words
         )
     else:
+        random_bits = _random_bits(spec, key, out_shape)
         bits2 = None if random_bits is None else random_bits.reshape(-1, n)
         raw = _xla_rotate_quantize(xt.reshape(-1, n), spec, rotation, sign_row, bits2, out)
     return _assemble(raw, out_shape, lead, spec, out)
@@ -284,6 +290,18 @@ def _random_bits(spec: QuantSpec, key, out_shape):
         return None
     n = out_shape[-1]
     return quantize.stochastic_bits(key, (*out_shape[:-1], n // spec.block_size, spec.block_size))
+
+
+def _kernel_key_words(spec: QuantSpec, key, size: int, config: KernelConfig):
+    """The key's two uint32 words where the Pallas kernels draw SR's bits themselves, else None.
+
+    They do where the config asks (kernel_bits) and threefry's formula is jax.random.bits for this key
+    and size, asked here, when tracing (jax_threefry_partitionable is part of jit's cache key, and a
+    key's implementation is part of its type): elsewhere `_random_bits` draws the same bits in XLA.
+    """
+    if spec.rounding != "stochastic" or not config.kernel_bits or not threefry.formula_applies(key, size):
+        return None
+    return jax.random.key_data(key)
 
 
 def _assemble(raw, out_shape, lead, spec, out):

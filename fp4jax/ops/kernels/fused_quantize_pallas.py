@@ -20,10 +20,14 @@ benchmarks/bench_quantize.py times others, and every config gives the same bits.
   a small row-wise kernel then folds its E2M1 output, packed byte by packed byte (one uint16 of two E4M3
   codes each). It moves 1.06 more bytes per element but keeps the transposing kernel small.
 
-Stochastic rounding: the mx and one-pass kernels take the random bits (uint32, one per output element,
-drawn by fused_quantize as quantize_mx draws them) as one more input with the output's tiling, read
-whole or by the same parts as the values, and round with tile_math.encode_elements; a block's non-zero
-flag (the fold's row top) then comes from its codes. A prescale needs no input: encode_elements applies it.
+Stochastic rounding: the mx and one-pass kernels draw each tile's random bits themselves (uint32, one
+per output element): threefry.random_bits of the key's two words at the element's row-major index in
+the output (batch, rows, n), which is its index in the reference's draw (_KernelDraw). Where that formula
+is not jax's (threefry.formula_applies, asked by fused_quantize when tracing) or KernelConfig.kernel_bits
+is off, they take bits drawn by XLA as one more input with the output's tiling instead. Either way the
+bits are read (or drawn) whole or by the same parts as the values, and rounded with
+tile_math.encode_elements; a block's non-zero flag (the fold's row top) then comes from its codes. A
+prescale needs no input: encode_elements applies it.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fp4jax.ops import formats
 from fp4jax.ops.formats import F32_ABS_MASK, get_elem_format, require_power_of_two
-from fp4jax.ops.kernels import fold
+from fp4jax.ops.kernels import fold, threefry
 from fp4jax.ops.kernels import tile_math as tm
 from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, f32_bits, fold_e2m1_to_e4m3fn
 
@@ -74,6 +78,9 @@ class KernelConfig:
         by parts with one contiguous load split in registers (True) or with one strided load per part.
       one_pass_max_row_rotated, _unrotated: the longest rows (powers of two) the row-wise fold runs in
         one pass; longer rows, and 0 for none, fold via the mx kernel.
+      kernel_bits: stochastic rounding's bits drawn inside the kernels where threefry.formula_applies
+        (no bits in HBM); False: drawn by XLA and read by the kernels (4 + 4 bytes per element). The
+        same bits either way; the switch is for timing the two side by side.
     """
 
     mx_row: Tile = Tile(32, 256, 4)
@@ -86,6 +93,7 @@ class KernelConfig:
     one_pass_split_loads: bool = False
     one_pass_max_row_rotated: int = 8192
     one_pass_max_row_unrotated: int = 2048
+    kernel_bits: bool = True
 
     def __post_init__(self):
         if self.column_parts:
@@ -108,35 +116,109 @@ def _pick(length: int, want: int, minimum: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Random:
+    """Stochastic rounding's source for one pallas_call: `array` is the bits drawn by XLA ((batch, output
+    rows, n) uint32, tiled like the output), or with `in_kernel` the key's two uint32 words, from which
+    every tile draws its own (_KernelDraw)."""
+
+    array: jax.Array
+    in_kernel: bool
+
+    def spec(self, tile_spec: pl.BlockSpec) -> pl.BlockSpec:
+        """The input's BlockSpec: the output's tiling, or the two key words whole for every program."""
+        return pl.BlockSpec((2,), lambda *_: (0,)) if self.in_kernel else tile_spec
+
+    def draw(self, out_rows: int, n: int, rows: int, cols: int):
+        """The kernels' _KernelDraw for tiles of rows x cols, or None where the bits are an input."""
+        return _KernelDraw(out_rows, n, rows, cols) if self.in_kernel else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelDraw:
+    """Stochastic rounding's bits drawn in a kernel: what a tile needs to know to draw the reference's.
+
+    The reference draws jax.random.bits over (..., out_rows, n / block, block), row-major, which is
+    row-major over the output (batch, out_rows, n) (fused_quantize flattens the leading axes in order):
+    output element (b, r, c) is draw number (b * out_rows + r) * n + c, whatever the layout of x (a
+    column-wise tile is transposed to the output's orientation; its bits are drawn there). The program
+    (b, i[, j]) holds output rows i * rows + [0, rows) and columns j * cols + [0, cols) of batch b (no
+    third grid axis where cols == n). Its bits are threefry.random_bits of those indices, in uint32:
+    exact, because fused_quantize takes this path only for at most 2**32 elements.
+    """
+
+    out_rows: int
+    n: int
+    rows: int
+    cols: int
+
+    def _indices(self, runs: int, step: int) -> jax.Array:
+        """(rows, runs) uint32: the draw numbers of the tile's columns 0, step, 2 step, ... (all rows)."""
+        b, i = (pl.program_id(axis).astype(jnp.uint32) for axis in (0, 1))
+        j = pl.program_id(2).astype(jnp.uint32) if self.cols < self.n else jnp.uint32(0)
+        origin = (b * jnp.uint32(self.out_rows) + i * jnp.uint32(self.rows)) * jnp.uint32(self.n)
+        origin = origin + j * jnp.uint32(self.cols)
+        r, q = (jax.lax.broadcasted_iota(jnp.int32, (self.rows, runs), d).astype(jnp.uint32) for d in (0, 1))
+        return origin + r * jnp.uint32(self.n) + q * jnp.uint32(step)
+
+    def tile(self, key_ref) -> jax.Array:
+        """The whole tile's bits, (rows, cols) uint32."""
+        return threefry.random_bits((key_ref[0], key_ref[1]), self._indices(self.cols, 1))
+
+    def parts(self, key_ref, size: int) -> list[jax.Array]:
+        """The tile's bits by parts (_load_parts' row parts): [bits of column k of every run of `size`]."""
+        words, first = (key_ref[0], key_ref[1]), self._indices(self.cols // size, size)
+        return [threefry.random_bits(words, first + jnp.uint32(k)) for k in range(size)]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Inputs:
-    """A kernel's input refs: x's tile, the sign row's (random rotations), the random bits' (stochastic
-    rounding: uint32, one per output element, in the output orientation: (rows, cols) of the output)."""
+    """A kernel's input refs: x's tile, the sign row's (random rotations), and stochastic rounding's
+    `random`: the bits' tile (uint32, one per output element, in the output orientation: (rows, cols) of
+    the output), or with `draw` (a _KernelDraw) the key's two words, from which the tile draws them."""
 
     x: object
     signs: object = None
-    bits: object = None
+    random: object = None
+    draw: _KernelDraw | None = None
 
     @staticmethod
-    def split(refs, has_signs: bool, has_bits: bool):
-        """(_Inputs, the output refs) from a kernel's refs: x, [signs], [bits], outputs..."""
+    def split(refs, has_signs: bool, has_random: bool, draw: _KernelDraw | None):
+        """(_Inputs, the output refs) from a kernel's refs: x, [signs], [bits or key words], outputs..."""
         x, rest = refs[0], list(refs[1:])
         signs = rest.pop(0) if has_signs else None
-        bits = rest.pop(0) if has_bits else None
-        return _Inputs(x, signs, bits), rest
+        random = rest.pop(0) if has_random else None
+        return _Inputs(x, signs, random, draw), rest
+
+    def random_tile(self):
+        """The tile's random bits, (rows, cols) uint32, or None (nearest rounding)."""
+        if self.random is None:
+            return None
+        return self.random[...] if self.draw is None else self.draw.tile(self.random)
+
+    def random_parts(self, size: int, split: bool) -> list:
+        """The random bits by the values' parts (row parts: they lie in the output orientation whatever
+        the layout of x), or [None] * size."""
+        if self.random is None:
+            return [None] * size
+        if self.draw is None:
+            return _load_parts(self.random, False, size, split, jnp.uint32)
+        return self.draw.parts(self.random, size)
 
     def quantize_whole(self, column, spec, rotation, fmt):
         """The tile read whole: rotated (butterflies over views), then tile_math.quantize_tile."""
         t = _rotate(_load_tile(self.x, column), rotation, self.signs)
-        return tm.quantize_tile(t, fmt, spec, None if self.bits is None else self.bits[...])
+        return tm.quantize_tile(t, fmt, spec, self.random_tile())
 
 
-def _side_inputs(sign_row, random_bits, sign_spec, bits_spec):
+def _side_inputs(sign_row, random: _Random | None, sign_spec, bits_spec):
     """The in_specs and arrays of the optional inputs, in the order _Inputs.split takes them."""
     specs, args = [], []
-    for array, spec in ((sign_row, sign_spec), (random_bits, bits_spec)):
-        if array is not None:
-            specs.append(spec)
-            args.append(array)
+    if sign_row is not None:
+        specs.append(sign_spec)
+        args.append(sign_row)
+    if random is not None:
+        specs.append(random.spec(bits_spec))
+        args.append(random.array)
     return specs, args
 
 
@@ -200,7 +282,7 @@ def _load_part(x_ref, column: bool, k: int, size: int, dtype=jnp.float32):
 def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, split, fold_rows=None):
     """The (rotated) tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
 
-    inputs: the tile's _Inputs (x, and the sign row and random bits where there are any).
+    inputs: the tile's _Inputs (x, and the sign row and random bits or key where there are any).
     Part k holds element k of every run of `size` (a rotation block, tile_math.hadamard_parts); an MX
     block is `per_block` consecutive runs. Codes go back to position k of every run (halved for packed
     E2M1: byte p of a run holds its elements 2p, 2p + 1), joined in registers into one contiguous store.
@@ -222,11 +304,7 @@ def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, spli
         return jnp.broadcast_to(v[:, :, None], (rows, runs // per_block, per_block)).reshape(rows, runs)
 
     e, f = per_run(exponent), per_run(finite)
-    # The random bits lie in the output orientation (row-major over the output), so their parts are
-    # row parts whatever the layout of x.
-    random = [None] * size
-    if inputs.bits is not None:
-        random = _load_parts(inputs.bits, False, size, split, jnp.uint32)
+    random = inputs.random_parts(size, split)
     codes = [tm.encode_elements(b, e, f, fmt, spec, r) for b, r in zip(bits, random, strict=True)]
     if spec.rounding == "stochastic":  # non-zero-ness depends on the draw: read it off the codes
         top = functools.reduce(jnp.maximum, [c & MAGNITUDE_MASK[fmt.name] for c in codes])
@@ -264,8 +342,8 @@ class _RowFold:
         return shift, in_window, self.nan_row
 
 
-def _mx_kernel(*refs, column, spec, rotation, has_signs, has_bits, with_tops, config):
-    inputs, outs = _Inputs.split(refs, has_signs, has_bits)
+def _mx_kernel(*refs, column, spec, rotation, has_signs, has_random, draw, with_tops, config):
+    inputs, outs = _Inputs.split(refs, has_signs, has_random, draw)
     data_ref, scale_ref = outs[:2]
     fmt = get_elem_format(spec.elem)
     rows = data_ref.shape[0]
@@ -293,10 +371,10 @@ def _mx_tile(spec, rotation, column: bool, config: KernelConfig) -> Tile:
     return config.mx_column_unrotated if unrotated_parts else config.mx_column
 
 
-def _mx_call(x3, column, spec, rotation, sign_row, random_bits, interpret, config, with_tops=False):
+def _mx_call(x3, column, spec, rotation, sign_row, random, interpret, config, with_tops=False):
     """Packed data and scales, (batch * rows, ...); with_tops adds per-tile row tops and NaN flags.
 
-    random_bits: None, or (batch, output rows, n) uint32 (stochastic rounding), tiled like the output."""
+    random: None, or stochastic rounding's _Random (bits tiled like the output, or the key's words)."""
     batch, r0, c0 = x3.shape
     out_rows, n = (c0, r0) if column else (r0, c0)
     tile = _mx_tile(spec, rotation, column, config)
@@ -311,7 +389,7 @@ def _mx_call(x3, column, spec, rotation, sign_row, random_bits, interpret, confi
         x_spec = pl.BlockSpec((None, tr, tn), lambda b, i, j: (b, i, j))
     side_specs, side_args = _side_inputs(
         sign_row,
-        random_bits,
+        random,
         pl.BlockSpec((1, tn), lambda b, i, j: (0, j)),
         pl.BlockSpec((None, tr, tn), lambda b, i, j: (b, i, j)),
     )
@@ -322,7 +400,8 @@ def _mx_call(x3, column, spec, rotation, sign_row, random_bits, interpret, confi
         spec=spec,
         rotation=rotation,
         has_signs=sign_row is not None,
-        has_bits=random_bits is not None,
+        has_random=random is not None,
+        draw=None if random is None else random.draw(out_rows, n, tr, tn),
         with_tops=with_tops,
         config=config,
     )
@@ -378,9 +457,9 @@ def _fold_from_mx_kernel(data_ref, scale_ref, top_ref, nan_ref, out_ref, flushed
     flushed_ref[...] = jnp.sum(flushed.reshape(rows, nb), axis=1, keepdims=True)
 
 
-def _fold_via_mx(x3, column, spec, rotation, sign_row, random_bits, interpret, config):
+def _fold_via_mx(x3, column, spec, rotation, sign_row, random, interpret, config):
     data, scale, tops, nans = _mx_call(
-        x3, column, spec, rotation, sign_row, random_bits, interpret, config, with_tops=True
+        x3, column, spec, rotation, sign_row, random, interpret, config, with_tops=True
     )
     top = jnp.max(tops, axis=1, keepdims=True)
     top = jnp.where(top == tm.NO_BLOCK, 0, top)
@@ -425,9 +504,9 @@ def _one_pass_fits(n: int, spec, rotation, config: KernelConfig) -> bool:
     return fits and n % rotation.length_multiple(spec.block_size) == 0
 
 
-def _fold_one_pass_kernel(*refs, spec, rotation, has_signs, has_bits, config):
+def _fold_one_pass_kernel(*refs, spec, rotation, has_signs, has_random, draw, config):
     """The mx kernel's quantization of whole rows, written folded: E4M3 bytes, row exponents, flushes."""
-    inputs, (data_ref, rowexp_ref, flushed_ref) = _Inputs.split(refs, has_signs, has_bits)
+    inputs, (data_ref, rowexp_ref, flushed_ref) = _Inputs.split(refs, has_signs, has_random, draw)
     fmt, rows = get_elem_format(spec.elem), data_ref.shape[0]
     fold_rows = _RowFold()
     size = _parts(spec, rotation, False, config)
@@ -447,19 +526,20 @@ def _fold_one_pass_kernel(*refs, spec, rotation, has_signs, has_bits, config):
     flushed_ref[...] = fold_rows.flushed
 
 
-def _fold_one_pass(x3, spec, rotation, sign_row, random_bits, interpret, config):
+def _fold_one_pass(x3, spec, rotation, sign_row, random, interpret, config):
     batch, out_rows, n = x3.shape
     tr = _pick(out_rows, max(1, config.one_pass.cols // n), 1)
     row_tile = pl.BlockSpec((None, tr, n), lambda b, i: (b, i, 0))
     side_specs, side_args = _side_inputs(
-        sign_row, random_bits, pl.BlockSpec((1, n), lambda b, i: (0, 0)), row_tile
+        sign_row, random, pl.BlockSpec((1, n), lambda b, i: (0, 0)), row_tile
     )
     kernel = functools.partial(
         _fold_one_pass_kernel,
         spec=spec,
         rotation=rotation,
         has_signs=sign_row is not None,
-        has_bits=random_bits is not None,
+        has_random=random is not None,
+        draw=None if random is None else random.draw(out_rows, n, tr, n),
         config=config,
     )
     per_row = pl.BlockSpec((None, tr, 1), lambda b, i: (b, i, 0))
@@ -481,16 +561,21 @@ def _fold_one_pass(x3, spec, rotation, sign_row, random_bits, interpret, config)
 
 
 def rotate_quantize_3d(
-    x3, column, spec, rotation, sign_row, random_bits, out, interpret, config: KernelConfig
+    x3, column, spec, rotation, sign_row, random_bits, out, interpret, config: KernelConfig, key_words=None
 ):
     """x3: (batch, rows, cols); returns fused_quantize's raw outputs (uint8 / int32 arrays).
 
-    random_bits: None (nearest rounding), or for stochastic rounding (batch, output rows, n) uint32 in
-    the output orientation, one per output element (fused_quantize draws them as quantize_mx does)."""
-    if (random_bits is None) != (spec.rounding != "stochastic"):
-        raise ValueError("random_bits must be given exactly when spec.rounding is 'stochastic'")
+    Stochastic rounding takes exactly one of: random_bits, (batch, output rows, n) uint32 in the output
+    orientation, one per output element (drawn as quantize_mx draws them); or key_words, the key's two
+    uint32 words (jax.random.key_data), from which the kernels draw the same bits, which the caller
+    vouches for (threefry.formula_applies for batch * rows * cols elements). Neither for nearest rounding.
+    """
+    given = [a for a in (random_bits, key_words) if a is not None]
+    if len(given) != (spec.rounding == "stochastic"):
+        raise ValueError("stochastic rounding takes one of random_bits and key_words; nearest rounding none")
+    random = _Random(given[0], key_words is not None) if given else None
     if out == "mx":
-        return _mx_call(x3, column, spec, rotation, sign_row, random_bits, interpret, config)
+        return _mx_call(x3, column, spec, rotation, sign_row, random, interpret, config)
     if not column and _one_pass_fits(x3.shape[2], spec, rotation, config):
-        return _fold_one_pass(x3, spec, rotation, sign_row, random_bits, interpret, config)
-    return _fold_via_mx(x3, column, spec, rotation, sign_row, random_bits, interpret, config)
+        return _fold_one_pass(x3, spec, rotation, sign_row, random, interpret, config)
+    return _fold_via_mx(x3, column, spec, rotation, sign_row, random, interpret, config)
