@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_quantize.py [--shapes 8192x8192,16384x4096] [--iters 30]
         [--tiles mx_row=32x256x4,...] [--sweep | --access | --column-parts 0,8,16,32] [--out FILE.md]
-        [--rounding stochastic] [--prescale 0.75]
+        [--rounding stochastic [--sr-bits kernel,xla]] [--prescale 0.75]
 
 For each bf16 operand shape, rotation (none, H16), layout (row: blocks along the last axis; col: along
 the first, transposed result), and output (mx: packed E2M1 + E8M0; fp8_fold: the fp8 back end's
@@ -19,13 +19,16 @@ The operand is AMD's MXFP4 (E2M1, blocks of 32, the even scale rule); --rounding
 its rounding and prescale for every row (mxfp4_full_sr's Dgrad/Wgrad operand: --rounding stochastic;
 mxfp4_full_sr_prescale's: --rounding stochastic --prescale 0.75). Every call then takes one fixed key
 as an argument, so stochastic rounding draws its bits at run time (inside each timed call) as in
-training, and `same` compares against quantize_mx with that key.
+training, and `same` compares against quantize_mx with that key. --sr-bits picks the Pallas rows by
+where their random bits come from (KernelConfig.kernel_bits): `kernel` (row "pallas": drawn inside the
+kernels, the default) and `xla` (row "pallas xla-bits": drawn by XLA, read by the kernels), so
+`--sr-bits kernel,xla` times both in one process.
 Effective TB/s = (bytes of the bf16 input + bytes of the outputs) / median time (stochastic rounding's
-uint32 bits, written by XLA and read by the kernel, are not counted); the copy ceiling is a
-plain bf16 `x * 2` (read + write). `same` says whether the result equals, bit for bit, the reference
-path with fused_quantize's rotation (hadamard_rotate, the rotation both fused paths share); `vs matmul`
-gives the fraction of output bytes that differ from the literal reference (its matmul rotation rounds
-differently, so H16 rows may differ in a few elements; rows without rotation must show 0).
+uint32 bits, written by XLA and read by the kernel in the xla-bits rows, are not counted); the copy
+ceiling is a plain bf16 `x * 2` (read + write). `same` says whether the result equals, bit for bit, the
+reference path with fused_quantize's rotation (hadamard_rotate, the rotation both fused paths share);
+`vs matmul` gives the fraction of output bytes that differ from the literal reference (its matmul
+rotation rounds differently, so H16 rows may differ in a few elements; rows without rotation must show 0).
 """
 
 from __future__ import annotations
@@ -142,11 +145,17 @@ def run(shapes, iters: int, impls: list[str], config: KernelConfig) -> list[tupl
     return rows
 
 
+# --sr-bits: the Pallas row of each source of stochastic rounding's bits, and its KernelConfig.kernel_bits.
+SR_BITS = {"kernel": ("pallas", True), "xla": ("pallas xla-bits", False)}
+
+
 def _candidates(axis, rotation, out, impls, config):
     """The implementations to time for one case, by name (those that apply to it)."""
     found = {"reference": _reference_fn(axis, rotation, out, _matmul_rotate)}
     found["xla"] = _fused_fn(axis, rotation, out, "xla")
-    found["pallas"] = _fused_fn(axis, rotation, out, "pallas", config)
+    for name, kernel_bits in SR_BITS.values():
+        changed = dataclasses.replace(config, kernel_bits=kernel_bits)
+        found[name] = _fused_fn(axis, rotation, out, "pallas", changed)
     return {name: fn for name, fn in found.items() if name == "reference" or name in impls}
 
 
@@ -319,6 +328,15 @@ def to_markdown(rows, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pallas_rows(impls: list[str], sr_bits: str) -> list[str]:
+    """--impls with "pallas" replaced by the Pallas row of each --sr-bits source."""
+    unknown = set(sr_bits.split(",")) - set(SR_BITS)
+    if unknown:
+        raise SystemExit(f"unknown --sr-bits {', '.join(sorted(unknown))}: use {', '.join(SR_BITS)}")
+    rows = [SR_BITS[source][0] for source in sr_bits.split(",")] if "pallas" in impls else []
+    return [impl for impl in impls if impl != "pallas"] + rows
+
+
 def _pair(text: str) -> tuple[int, int]:
     a, b = text.split("x")
     return int(a), int(b)
@@ -345,6 +363,12 @@ def main():
         "--rounding", default=SPEC.rounding, choices=quantize.ROUNDING_MODES, help="the operand's rounding"
     )
     parser.add_argument("--prescale", type=float, default=SPEC.prescale, help="the operand's prescale")
+    parser.add_argument(
+        "--sr-bits",
+        default="kernel",
+        help="the Pallas rows by where stochastic rounding's bits come from, comma-separated: kernel "
+        "(drawn in the kernels), xla (drawn by XLA and read by the kernels)",
+    )
     parser.add_argument("--sweep", action="store_true", help="only time candidate Pallas tiles (first shape)")
     parser.add_argument(
         "--access",
@@ -361,7 +385,7 @@ def main():
     SPEC = dataclasses.replace(SPEC, rounding=args.rounding, prescale=args.prescale)
     config = config_from_tiles(args.tiles)
     shapes = [_pair(s) for s in args.shapes.split(",")]
-    impls = args.impls.split(",")
+    impls = _pallas_rows(args.impls.split(","), args.sr_bits)
     if args.column_parts:
         sizes = [int(v) for v in args.column_parts.split(",")]
         rows = column_parts_sweep(*shapes[0], args.iters, sizes, config)
@@ -379,7 +403,7 @@ def main():
     command += " --sweep" if args.sweep else ""
     command += " --access" if args.access else ""
     command += f" --column-parts {args.column_parts}" if args.column_parts else ""
-    command += f" --rounding {args.rounding} --prescale {args.prescale:g}"
+    command += f" --rounding {args.rounding} --sr-bits {args.sr_bits} --prescale {args.prescale:g}"
     command += f" --tiles {tiles}"
     harness.emit(to_markdown(rows, command), args.out)
 
