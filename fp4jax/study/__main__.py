@@ -10,10 +10,12 @@ on a run's checkpoints (fp4jax.study.instruments).
 
 `run` never reruns a finished run; a run the budget stops saves a checkpoint and the next call resumes
 it. Exit code 0 when the call ends (whatever the runs' outcomes), 2 for bad input, 130 when interrupted.
-`report` writes DIR/<stage>.md/.json/.png (fp4jax.study.report), DIR/<stage>_gate.json for a gated
-stage, and DIR/claims.md/.json/.png: the pre-registered contrasts and the verdict per claim
-(fp4jax.study.claims). `instruments` writes DIR/instruments.json, instruments.txt and
-instruments_<stage>.png (docs/diagnostics.md, Mechanism instruments).
+`report` writes DIR/<stage>.md/.json/.png (fp4jax.study.report; with each run's loss spikes for a stage
+that sets count_spikes), DIR/<stage>_gate.json for a gated stage, DIR/lr_stress_<reference>.md/.json for
+each LR series (fp4jax.study.lr_stress: the stages that name a reference stage as their 1x point), and
+DIR/claims.md/.json/.png: the pre-registered contrasts and the verdict per claim (fp4jax.study.claims;
+the LR series' stress stages, at other LRs, are not in it). `instruments` writes DIR/instruments.json,
+instruments.txt and instruments_<stage>.png (docs/diagnostics.md, Mechanism instruments).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import os
 import sys
 
-from fp4jax.study import analysis, branching, claims, plan, report
+from fp4jax.study import analysis, branching, claims, lr_stress, plan, report
 from fp4jax.study.command import run_command
 
 
@@ -51,12 +53,14 @@ def cmd_report(args) -> None:
     for stage in the_plan.stages:
         sroot = plan.stage_root(args.root, stage)
         if not os.path.isdir(sroot):
-            print(f"study: stage {stage.name} has no runs yet")
+            print(f"study: stage {stage.name}: not run (no runs yet)")
             continue
         if stage.design == "branch":
             _branch_report(stage, sroot, args.out)
             continue
         result = analysis.analyze(analysis.load_runs(sroot), stage.baseline, args.target, list(stage.arms))
+        if stage.count_spikes is not None:
+            result["spikes"] = lr_stress.stage_spikes(args.root, stage)
         print(report.to_markdown(result))
         if stage.gate is not None:
             gate = plan.gate_result(args.root, stage)
@@ -71,14 +75,32 @@ def cmd_report(args) -> None:
                     json.dump(gate, f, indent=2, sort_keys=True)
                     f.write("\n")
                 print(f"wrote {path}")
+    write_lr_series(the_plan, args.root, args.out)
     write_claims(the_plan, args.root, args.out)
+
+
+def write_lr_series(the_plan, root: str, out: str | None) -> None:
+    """Each LR series (lr_stress.series) whose stages have any run: printed, and DIR/lr_stress_<reference>
+    .md and .json; its points without runs read "not run"."""
+    for reference in lr_stress.references(the_plan):
+        stages = [s for s in the_plan.stages if reference in (s.name, s.lr_reference)]
+        if not any(os.path.isdir(plan.stage_root(root, s)) for s in stages):
+            print(f"study: LR series of {reference}: not run (no runs yet)")
+            continue
+        result = lr_stress.series(the_plan, root, reference)
+        text = lr_stress.series_markdown(result)
+        print(text)
+        if out:
+            _write_md_json(os.path.join(out, f"lr_stress_{reference}"), text, result)
 
 
 def write_claims(the_plan, root: str, out: str | None) -> None:
     """The pre-registered analysis over every paired from-scratch stage (their seeds are shared, so the
     arms of all of them enter one arm x seed table; a run reused by several stages counts once)."""
     stages = [
-        s for s in the_plan.stages if s.design == "scratch_paired" and os.path.isdir(plan.stage_root(root, s))
+        s
+        for s in the_plan.stages
+        if s.design == "scratch_paired" and s.lr_reference is None and os.path.isdir(plan.stage_root(root, s))
     ]
     if not stages:
         return
@@ -134,14 +156,18 @@ def _branch_report(stage, sroot: str, out: str | None) -> None:
     text = branching.to_markdown(result)
     print(text)
     if out:
-        os.makedirs(out, exist_ok=True)
-        base = os.path.join(out, stage.name)
-        with open(base + ".md", "w", encoding="utf-8") as f:
-            f.write(text)
-        with open(base + ".json", "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-            f.write("\n")
-        print(f"wrote {base}.md and {base}.json")
+        _write_md_json(os.path.join(out, stage.name), text, result)
+
+
+def _write_md_json(base: str, text: str, result: dict) -> None:
+    """BASE.md (the text) and BASE.json (the result), the directory made first."""
+    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
+    with open(base + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(base + ".json", "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"wrote {base}.md and {base}.json")
 
 
 def build_parser() -> argparse.ArgumentParser:

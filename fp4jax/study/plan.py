@@ -11,7 +11,11 @@ arms; "branch": every arm branched from shared trunks, with keys of its own: fp4
 (an arm), `seeds`, `steps`, `warmup_steps`, `peak_lr`, `backend` (a GEMM back end or "auto"),
 `run_minutes` (one run's expected wall time, used until runs of the stage measured it), optional
 `overrides` ({dotted config key: value}), `requires` (stages that must be complete and, if gated, passed)
-and `gate` (the pass rule, see `gate_result`).
+and `gate` (the pass rule, see `gate_result`). A scratch_paired stage may also set `count_spikes =
+{spike_nats = NATS, window = UPDATES}` (the report counts each run's loss spikes by that rule:
+fp4jax.study.lr_stress) and `lr_reference` (an earlier scratch_paired stage with its arms, recipes,
+seeds, config, horizon, warm-up, back end and baseline at another peak LR: its runs are the series' 1x
+point; it needs count_spikes).
 
 Run layout: ROOT/<stage>/<arm>/seed<k>/ (fp4jax.study.runs), so each stage is a ladder root of its own;
 a branch stage's is ROOT/<stage>/trunk/seed<k>/ and ROOT/<stage>/<arm>/at<step>/seed<k>/.
@@ -48,6 +52,7 @@ from fp4jax.study import branching, runner, runs, stats
 
 __all__ = [
     "DESIGNS",
+    "SPIKE_KEYS",
     "Plan",
     "Stage",
     "gate_result",
@@ -74,9 +79,15 @@ STAGE_KEYS = {
     "overrides",
     "requires",
     "gate",
+    "count_spikes",
+    "lr_reference",
 } | branching.KEYS
-REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"} - branching.KEYS
+SCRATCH_KEYS = {"count_spikes", "lr_reference"}  # a scratch_paired stage's only
+REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"} - SCRATCH_KEYS - branching.KEYS
 GATE_KEYS = {"arm", "against", "last_evals", "smallest_overhead", "sigmas"}
+SPIKE_KEYS = ("spike_nats", "window")  # count_spikes's: stats.loss_spikes's rule
+# What a stage shares with its lr_reference (the same runs but for the peak LR and the overrides).
+SAME_AS_REFERENCE = ("design", "config", "baseline", "steps", "warmup_steps", "backend")
 # The trainer's back ends and the variable that picks one (fp4jax.ops.BACKENDS, training.setup's
 # GEMM_BACKEND_ENV; tested equal), restated so that planning imports neither the ops nor the trainer.
 BACKENDS = ("auto", "emulate", "fp8", "native")
@@ -103,6 +114,8 @@ class Stage:
     overrides: dict[str, object] = dataclasses.field(default_factory=dict)
     requires: tuple[str, ...] = ()
     gate: dict | None = None
+    count_spikes: dict | None = None  # {spike_nats, window}: the report counts each run's loss spikes
+    lr_reference: str | None = None  # the earlier stage whose runs are this one's 1x LR point
     trunk_arm: str | None = None  # the branch design's keys (fp4jax.study.branching)
     branch_steps: tuple[int, ...] = ()
     branch_length: int = 0
@@ -139,14 +152,16 @@ def load_plan(path: str) -> Plan:
         raise ValueError(f"plan file {path} needs a top-level name and at least one [[stages]] table")
     parsed: list[Stage] = []
     for i, raw in enumerate(stages):
-        parsed.append(_stage(raw, f"{path}: stage {raw.get('name', i)!r}", [s.name for s in parsed]))
+        where = f"{path}: stage {raw.get('name', i)!r}"
+        parsed.append(_stage(raw, where, [s.name for s in parsed]))
+        _check_lr_reference(parsed[-1], parsed[:-1], where)
     return Plan(data["name"], tuple(parsed), path)
 
 
 def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
     branch = raw.get("design") == "branch"
     required = REQUIRED_KEYS - {"steps"} | branching.KEYS if branch else REQUIRED_KEYS
-    known = STAGE_KEYS if branch else STAGE_KEYS - branching.KEYS
+    known = STAGE_KEYS - SCRATCH_KEYS if branch else STAGE_KEYS - branching.KEYS
     unknown, missing = set(raw) - known, required - set(raw)
     if unknown or missing:
         what = f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}"
@@ -187,9 +202,49 @@ def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
         overrides=dict(raw.get("overrides", {})),
         requires=tuple(raw.get("requires", [])),
         gate=None if gate is None else dict(gate),
+        count_spikes=_count_spikes(raw.get("count_spikes"), where),
+        lr_reference=raw.get("lr_reference"),
         **({"trunk_arm": raw["trunk_arm"], "branch_steps": tuple(raw["branch_steps"])} if branch else {}),
         **({"branch_length": int(raw["branch_length"])} if branch else {}),
     )
+
+
+def _count_spikes(rule, where: str) -> dict | None:
+    """count_spikes checked: {"spike_nats": float > 0, "window": int >= 1}, None when the stage has none."""
+    if rule is None:
+        return None
+    if not isinstance(rule, dict) or set(rule) != set(SPIKE_KEYS):
+        got = sorted(rule) if isinstance(rule, dict) else repr(rule)
+        raise ValueError(f"{where}: count_spikes is {{spike_nats = NATS, window = UPDATES}}, not {got}")
+    nats, window = rule["spike_nats"], rule["window"]
+    numbers = not isinstance(nats, bool) and isinstance(nats, int | float) and type(window) is int
+    if not (numbers and nats > 0 and window >= 1):
+        raise ValueError(f"{where}: count_spikes wants spike_nats > 0 (nats) and window >= 1 (updates)")
+    return {"spike_nats": float(nats), "window": window}
+
+
+def _check_lr_reference(stage: Stage, earlier: list[Stage], where: str) -> None:
+    """A stage's lr_reference names an earlier stage that runs this stage's runs but for the peak LR (and
+    the overrides, e.g. the trainer's divergence rule): SAME_AS_REFERENCE, the arms with their recipes
+    and the seeds; the stage counts spikes, and every stage of one reference (one LR series) has the same
+    arms, seeds and count_spikes."""
+    if stage.lr_reference is None:
+        return
+    ref = next((s for s in earlier if s.name == stage.lr_reference), None)
+    if ref is None or stage.count_spikes is None:
+        name = stage.lr_reference
+        raise ValueError(f"{where}: lr_reference {name!r} must be an earlier stage, with count_spikes set")
+    same = all(getattr(ref, key) == getattr(stage, key) for key in SAME_AS_REFERENCE)
+    arms = all(ref.arms.get(arm) == recipe for arm, recipe in stage.arms.items())
+    if not (same and arms and set(stage.seeds) <= set(ref.seeds)) or ref.peak_lr == stage.peak_lr:
+        raise ValueError(
+            f"{where}: lr_reference {ref.name!r} must have this stage's arms (same recipes), seeds, "
+            f"{', '.join(SAME_AS_REFERENCE)} at another peak_lr"
+        )
+    sibling = next((s for s in earlier if s.lr_reference == ref.name), None)
+    shared = ("arms", "seeds", "count_spikes")
+    if sibling and any(getattr(sibling, key) != getattr(stage, key) for key in shared):
+        raise ValueError(f"{where}: the stages of lr_reference {ref.name!r} share {', '.join(shared)}")
 
 
 # ------------------------------------------------------------------------------------------- the runs

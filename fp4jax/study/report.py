@@ -1,10 +1,12 @@
-"""The study's markdown tables from analysis.analyze's dict; the JSON beside them holds every number."""
+"""The study's markdown tables from analysis.analyze's dict (with, for a stage that counts them, its runs'
+loss spikes under "spikes": lr_stress.stage_spikes); the JSON beside them holds every number."""
 
 from __future__ import annotations
 
 import json
 import os
 
+from fp4jax.study import lr_stress
 from fp4jax.study.analysis import GEMMS, first_probed
 
 __all__ = [
@@ -170,6 +172,8 @@ def to_markdown(result: dict) -> str:
             "",
             *diag,
         ]
+    if result.get("spikes"):
+        lines += ["", *lr_stress.spikes_markdown(result["spikes"])]
     return "\n".join(lines) + "\n"
 
 
