@@ -138,7 +138,8 @@ def round_to_grid(
     v / spacing is an exact float32 and rounding it to an integer is the whole job. Stochastic rounding
     picks the upper neighbour with probability (v - lower) / spacing using 24 uniform random bits: the
     top 24 of `random_bits` (uint32 shaped like abs_y), or of stochastic_bits(key, abs_y.shape). The
-    fused quantizer's kernels call this same function on their tiles, with the bits as an input.
+    fused quantizer's kernels call this same function on their tiles with the same bits, which they
+    draw themselves by threefry's counter formula or read from XLA (kernels/fused_quantize.py).
     """
     q = jnp.maximum(_floor_log2(_bits(abs_y)), fmt.emin)
     units = abs_y * pow2(fmt.mantissa_bits - q)
