@@ -10,9 +10,10 @@ import re
 import pytest
 
 from fp4jax.study import __main__ as study_cli
-from fp4jax.study import lr_stress, plan, runs
+from fp4jax.study import lr_stress, plan, runner, runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
 STEPS, EVERY, TOKENS = 200, 20, 1000  # a fake run: 200 updates of 1,000 tokens, an evaluation every 20
 
 
@@ -98,6 +99,32 @@ def write_stages(root, stages=("ref", "x4", "x16"), offsets=OFFSETS, special=Non
             for seed, offset in enumerate(by_seed):
                 directory = os.path.join(root, stage, arm, f"seed{seed}")
                 write_run(directory, offset, **special.get((stage, arm, seed), {}))
+
+
+def test_the_committed_plan_runs_the_lr_stress_test_at_4x_and_16x_against_the_ladder():
+    p = plan.load_plan(PLAN)
+    ladder = p.stage("ladder")
+    arms = {"fp8": "fp8_mlperf", "full": "mxfp4_full"}
+    arms |= {"full_h16": "mxfp4_full_h16", "full_sr_prescale": "mxfp4_full_sr_prescale"}
+    for name, times in (("lr_stress_4x", 4), ("lr_stress_16x", 16)):
+        s = p.stage(name)
+        assert s.arms == arms and s.seeds == (0, 1) and s.lr_reference == "ladder"
+        assert s.peak_lr == pytest.approx(times * ladder.peak_lr) and s.requires == ("calibration",)
+        assert s.count_spikes == {"spike_nats": 0.1, "window": 20}
+        rule = {"divergence.spike_nats": 1.0, "divergence.window": 20}
+        assert s.overrides == {**ladder.overrides, **rule}
+        spec = plan.stage_specs(s)[-1]
+        config = runner.load_config(spec.rung.config, spec.config_args([]))  # the override path works
+        assert (config.divergence.spike_nats, config.divergence.window) == (1.0, 20)
+        assert config.optimizer.peak_lr == pytest.approx(times * 1.5e-3) and config.steps == 1000
+    assert lr_stress.references(p) == ["ladder"]
+    stress = [s for s in p.stages if s.lr_reference]
+    earlier = {
+        plan.run_identity(spec, s, []) for s in p.stages if not s.lr_reference for spec in plan.stage_specs(s)
+    }
+    assert not earlier & {
+        plan.run_identity(spec, s, []) for s in stress for spec in plan.stage_specs(s)
+    }  # all run
 
 
 def test_spikes_divergences_differences_and_verdicts_of_a_series(tiny, tmp_path):
