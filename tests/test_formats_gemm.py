@@ -10,8 +10,10 @@ emulate, bit for bit, and the resolved execution says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -52,7 +54,7 @@ def test_every_quantizer_setting_gives_the_reference_paths_bits(name):
     reference path under it, so the three settings agree bit for bit."""
     x, w, dy = _operands(1)
     runs = {
-        q: _fwd_bwd(dataclasses.replace(PRESETS[name], quantizer=q), x, w, dy)
+        q: jax.jit(functools.partial(_fwd_bwd, dataclasses.replace(PRESETS[name], quantizer=q)))(x, w, dy)
         for q in ("reference", "xla", "auto")
     }
     for q in ("xla", "auto"):
@@ -64,10 +66,10 @@ def test_every_quantizer_setting_gives_the_reference_paths_bits(name):
 def test_fp8_back_end_multiplies_mxfp6_as_emulate(elem):
     x, w, _ = _operands(2)
     quantize = lambda v: quantize_mx(v, axis=-1, elem=elem, block_size=32, scale_mode="even")
-    qa, qc = quantize(x[None]), quantize(w.T[None])
+    qa, qc = jax.jit(lambda a, c: (quantize(a), quantize(c)))(x[None], w.T[None])
     assert not backends.fp8_supports(qa, qc)
-    got = backends.matmul(qa, qc, backend="fp8")
-    want = backends.matmul(qa, qc, backend="emulate")
+    got = jax.jit(functools.partial(backends.matmul, backend="fp8"))(qa, qc)
+    want = jax.jit(functools.partial(backends.matmul, backend="emulate"))(qa, qc)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -75,9 +77,9 @@ def test_fp8_back_end_multiplies_mxfp6_as_emulate(elem):
 def test_the_spec_rule_of_the_fold_is_the_array_rule(elem):
     """backends.fp8_folds (what recipes, the resolved reason and the self-check ask) says of a QuantSpec
     what fold.is_foldable says of the MXArray it quantizes to; NVFP4 never folds."""
-    x = jax.random.normal(jax.random.key(3), (1, 4, 64))
-    spec = QuantSpec(kind="mx", elem=elem)
-    assert backends.fp8_folds(spec) == is_foldable(quantize_mx(x, axis=-1, elem=elem, block_size=32))
+    x = jax.ShapeDtypeStruct((1, 4, 64), jnp.float32)
+    quantized = jax.eval_shape(lambda v: quantize_mx(v, axis=-1, elem=elem, block_size=32), x)  # its types
+    assert backends.fp8_folds(QuantSpec(kind="mx", elem=elem)) == is_foldable(quantized)
     assert not backends.fp8_folds(QuantSpec(kind="nvfp4"))
 
 

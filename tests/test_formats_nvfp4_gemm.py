@@ -219,9 +219,11 @@ def test_bad_specs_raise_one_line_value_errors(build, words):
 
 
 def test_2d_weight_tiles_need_features_in_multiples_of_16():
-    x, w = jnp.ones((8, 32)), jnp.ones((32, 40))  # N = 40: the Fprop view's free axis
+    """Refused while tracing (shapes only: nothing is computed or compiled)."""
+    x, w = jax.ShapeDtypeStruct((8, 32), jnp.float32), jax.ShapeDtypeStruct((32, 40), jnp.float32)  # N = 40
+    recipe = Recipe(fprop=GemmSpec(NVFP4, NVFP4_W2D))
     with pytest.raises(ValueError, match="2D NVFP4 tiles need both of the weight's GEMM axes") as err:
-        mx_dot_general(x, w, DIMS, recipe=Recipe(fprop=GemmSpec(NVFP4, NVFP4_W2D)))
+        jax.eval_shape(lambda a, b: mx_dot_general(a, b, DIMS, recipe=recipe), x, w)
     assert "\n" not in str(err.value)
 
 
@@ -339,7 +341,7 @@ def test_wgrad_pads_the_token_axis():
 def test_non_finite_input_spoils_only_its_blocks_outputs():
     x, w, dy = layer(8)
     x[5, 20] = np.nan
-    y, dx, dw = fwd_bwd("nvfp4_full", x, w, dy)
+    y, dx, dw = jax.jit(lambda *a: fwd_bwd(PRESETS["nvfp4_full"], *a))(x, w, dy)
     y, dw = np.asarray(y), np.asarray(dw)
     assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()
     assert np.isnan(dw[20]).all() and np.isfinite(np.delete(dw, 20, axis=0)).all()  # Wgrad: x's T block
@@ -352,7 +354,8 @@ def test_mixed_operands_nvfp4_times_fp8_mx_and_plain():
     mx4 = PRESETS["mxfp4_full"].fprop.rhs
     for other in (QuantSpec(kind="fp8", elem="e4m3"), mx4, QuantSpec()):
         recipe = Recipe(fprop=GemmSpec(NVFP4, other))
-        y = np.asarray(mx_dot_general(x, w, DIMS, recipe=recipe), np.float64)
+        product = jax.jit(functools.partial(mx_dot_general, dimension_numbers=DIMS, recipe=recipe))
+        y = np.asarray(product(x, w), np.float64)
         va, da, _ = ref_operand(x, NVFP4, None)
         if other.kind == "fp8":
             data, scale = ref.quantize_fp8(w.T, elem="e4m3")
@@ -431,7 +434,7 @@ def test_gemm_error_statistics_of_nvfp4_operands():
 
     x, w, dy = layer(13)
     gemm = PRESETS["nvfp4_full"].fprop
-    stats = gemm_errors.gemm_stats(jnp.asarray(x)[None], jnp.asarray(w.T)[None], gemm, names=("x", "w"))
+    stats = jax.jit(lambda a, c: gemm_errors.gemm_stats(a, c, gemm, names=("x", "w")))(x[None], w.T[None])
     for name, v in (("x", x), ("w", w.T)):
         r = fref.quantize_nvfp4(v)
         block_scale = np.repeat(r.scales, 16, axis=-1).astype(np.float32) * r.s_dec  # float32, as measured
