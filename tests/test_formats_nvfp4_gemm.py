@@ -246,6 +246,12 @@ def _gemm_operands(recipe: Recipe, x, w, dy, key):
     return out
 
 
+@jax.jit
+def _read_back(q: NVFP4Array):
+    """(S_dec, q * s_b in bfloat16 as the GEMM multiplies it, the dequantized operand) of a quantized one."""
+    return q.decode_scale(), q.block_values(jnp.bfloat16), q.dequantize()
+
+
 @pytest.mark.parametrize(
     "name, kind", [("nvfp4_full", "adversarial"), ("nvfp4_nvidia", "adversarial"), ("nvfp4_nvidia", "coarse")]
 )
@@ -270,11 +276,12 @@ def test_every_gemms_operands_match_the_reference_bit_for_bit(name, kind):
             assert isinstance(q, NVFP4Array) and q.block_2d == spec.block_2d, (stage, side)
             values, s_dec, r = ref_operand(v, spec, k)
             what = f"{name}/{kind} {stage} {side}"
-            np.testing.assert_array_equal(f32_bits(q.decode_scale()), f32_bits(s_dec), err_msg=what)
-            got_values = np.asarray(q.block_values(jnp.bfloat16)[0], np.float64)
+            decode_scale, block_values, dequantized = _read_back(q)
+            np.testing.assert_array_equal(f32_bits(decode_scale), f32_bits(s_dec), err_msg=what)
+            got_values = np.asarray(block_values[0], np.float64)
             same = (got_values == values) | (np.isnan(got_values) & np.isnan(values))
             assert same.all(), f"{what}: {(~same).sum()} elements differ, first {np.argwhere(~same)[0]}"
-            np.testing.assert_array_equal(f32_bits(q.dequantize()[0]), f32_bits(r.dequantize()), err_msg=what)
+            np.testing.assert_array_equal(f32_bits(dequantized[0]), f32_bits(r.dequantize()), err_msg=what)
             checked += 1
     assert checked == (4 if kind != "coarse" and name == "nvfp4_nvidia" else 6)
 
@@ -408,8 +415,8 @@ def test_backends_without_nvfp4_gemms_multiply_as_emulate(backend):
     ops = _gemm_operands(PRESETS["nvfp4_nvidia"], x, w, dy, jax.random.key(2))
     for stage, (qa, qc) in ops.items():
         assert not backends.fp8_supports(qa, qc) and not backends.native_supports(qa, qc)
-        want = backends.matmul(qa, qc, backend="emulate")
-        got = backends.matmul(qa, qc, backend=backend)
+        want = jax.jit(functools.partial(backends.matmul, backend="emulate"))(qa, qc)
+        got = jax.jit(functools.partial(backends.matmul, backend=backend))(qa, qc)
         np.testing.assert_array_equal(f32_bits(got), f32_bits(want), err_msg=stage)
 
 
