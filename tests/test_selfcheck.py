@@ -64,7 +64,7 @@ def test_the_backends_worth_checking_follow_the_hardware(monkeypatch, vendor, ar
 def test_selfcheck_passes_here(capsys):
     """On the CPU lane `auto` is emulate; on a GPU lane whatever the dispatch table gives that device."""
     formats = "mxfp6_e3m2_full,nvfp4_nvidia"  # two other formats here; all of them in the long lane (below)
-    code = selfcheck.main(["--small", "--train-steps", "6", "--formats", formats])
+    code = selfcheck.main(["--small", "--train-steps", "4", "--formats", formats])  # loss falls ~0.15 in 4
     out = capsys.readouterr().out
     assert f"auto picks: {backends.resolve_backend('auto')}" in out
     assert "fp8" in out and "AGREE" in out and "DISAGREE" not in out
