@@ -316,6 +316,7 @@ def _assemble(raw, out_shape, lead, spec, out):
             scale=scale.reshape(*out_shape[:-1], -1),
             axis=len(out_shape) - 1,
             block_size=spec.block_size,
+            elem=fmt.name,
         )
     data_u8, row_exponent, flushed = raw
     data = lax.bitcast_convert_type(data_u8.astype(jnp.uint8), jnp.float8_e4m3fn).reshape(out_shape)
