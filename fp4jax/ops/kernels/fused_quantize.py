@@ -88,7 +88,8 @@ __all__ = [
 
 OUTPUTS = ("mx", "fp8_fold")
 # The element formats the fused kernels encode (codes.MAX_CODE); MXFP6 (E2M3, E3M2) operands take the
-# reference path (quantize.quantize_mx) until the kernels encode them and are checked on a GPU.
+# reference path (quantize.quantize_mx) until the kernels encode them and are checked on a GPU. On the fp8
+# back end an E2M3 operand is folded from that path's MXArray (fold.fold_mx_to_fp8), not here.
 FUSED_ELEMS = tuple(MAX_CODE)
 IMPLS = ("auto", "pallas", "xla")
 
