@@ -197,10 +197,6 @@ class MXArray:
     def shape(self) -> tuple[int, ...]:
         return self.data.shape
 
-    @property
-    def element_format(self) -> ElemFormat:
-        return get_elem_format(self.elem)
-
     def scale_exponent(self) -> jax.Array:
         """The scale as an int32 exponent e (scale = 2^e); 128 marks a NaN scale."""
         return lax.bitcast_convert_type(self.scale, jnp.uint8).astype(jnp.int32) - formats.SCALE_BIAS

@@ -163,8 +163,8 @@ def _block_view(x: MXArray) -> tuple[jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class _RowWindow:
     """Per block: the elements, whether it is non-zero, its exponent below the row's top (delta <= 0 for
-    every non-zero block), and per row the top exponent and whether a NaN block poisons it; `window` is
-    the element's fold into the target fp8 type (fold_params)."""
+    every non-zero block), and per row the top exponent and whether a NaN block poisons it; `params`:
+    the shift and window of the element's fold into the target fp8 type (fold_params)."""
 
     blocks: jax.Array  # float32 (..., blocks, block_size)
     nonzero_block: jax.Array  # (..., blocks)
