@@ -27,8 +27,8 @@ operand (named x, w, dy), measured in the basis the GEMM quantizes in (after the
 rotated unquantized operand): rel_err, cos, flush (fraction of non-zero inputs that quantize to 0), sat
 (fraction of non-zero inputs beyond the element range: |x| > max_elem * 2^e for MX, |x * scale| > max
 for FP8, |x| > 6 s_b S_dec for NVFP4), exp_min / exp_max (block scale exponents of non-zero MX blocks;
-NVFP4: floor(log2(s_b S_dec))), fold_flush (E2M1 MX only:
-fraction of non-zero blocks the fp8 back end's fold into E4M3 rows would flush, fold.py). For GEMMs
+NVFP4: floor(log2(s_b S_dec))), fold_flush (E2M1 and E2M3 MX only: fraction of non-zero blocks the fp8
+back end's fold into float8_e4m3fn rows would flush, fold.py). For GEMMs
 that draw random numbers (stochastic rounding, random Hadamard signs), over n_draws draws:
 out_bias_rel = ||mean - ref|| / ||ref||, out_bias_se = sqrt(sum var / n) / ||ref|| (the value
 out_bias_rel takes when the rounding is unbiased: the noise floor of the mean of n draws),

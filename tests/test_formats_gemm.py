@@ -3,8 +3,9 @@
 The presets' numbers are held against the independent reference in tests/test_mx_dot.py (the CONTRACT
 table: every mxfp6_* rung, forward and both gradients). Here: the routing around them. The fused
 quantizer encodes E2M1 and the FP8 elements only, so MXFP6 operands take the reference path under every
-quantizer setting; the fp8 back end cannot fold them exactly into E4M3, so their GEMMs multiply as in
-emulate, bit for bit, and the resolved execution says so.
+quantizer setting. The fp8 back end folds E2M3 operands exactly into E4M3 (tests/test_fold_mxfp6.py);
+E3M2's exact window is too narrow, so its GEMMs multiply as in emulate, bit for bit, and the resolved
+execution says so.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def test_every_quantizer_setting_gives_the_reference_paths_bits(name):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"{name} {q}")
 
 
-@pytest.mark.parametrize("elem", sorted(MXFP6))
-def test_fp8_back_end_multiplies_mxfp6_as_emulate(elem):
+@pytest.mark.parametrize("elem", ["e3m2"])
+def test_fp8_back_end_multiplies_e3m2_as_emulate(elem):
     x, w, _ = _operands(2)
     quantize = lambda v: quantize_mx(v, axis=-1, elem=elem, block_size=32, scale_mode="even")
     qa, qc = jax.jit(lambda a, c: (quantize(a), quantize(c)))(x[None], w.T[None])
@@ -85,20 +86,21 @@ def test_the_spec_rule_of_the_fold_is_the_array_rule(elem):
 
 def test_fp8_unfolded_lists_a_recipes_block_scaled_operands_the_fold_refuses():
     assert backends.fp8_unfolded(PRESETS["mxfp4_full"]) == () == backends.fp8_unfolded(PRESETS["fp8"])
-    assert backends.fp8_unfolded(PRESETS["mxfp6_e2m3_fprop"]) == (MXFP6_E2M3, MXFP6_E2M3)
+    assert backends.fp8_unfolded(PRESETS["mxfp6_e3m2_fprop"]) == (MXFP6_E3M2, MXFP6_E3M2)
+    assert backends.fp8_unfolded(PRESETS["mxfp6_e2m3_full"]) == ()  # E2M3 folds
     assert {s.kind for s in backends.fp8_unfolded(PRESETS["nvfp4_full"])} == {"nvfp4"}
 
 
 def test_the_resolved_execution_names_the_operands_fp8_cannot_fold(monkeypatch):
-    """On the fp8 back end a recipe with non-E2M1 MX operands says which run as in emulate; an MXFP4
-    recipe's reason has no such clause. (The back end's availability check is bypassed: CPU has no FP8
-    GEMMs, and what is tested is the reason's text.)"""
+    """On the fp8 back end a recipe with MX operands it does not fold (E3M2) says which run as in emulate;
+    MXFP4's and MXFP6 E2M3's reasons have no such clause. (The back end's availability check is
+    bypassed: CPU has no FP8 GEMMs, and what is tested is the reason's text.)"""
     monkeypatch.setattr(backends, "check_backend", lambda *a, **k: None)
     monkeypatch.setattr("fp4jax.ops.kernels.probes.run_probes", lambda backend: None)
-    _, e2m3 = resolve_execution("mxfp6_e2m3_full", backend="fp8")
-    _, e2m1 = resolve_execution("mxfp4_full", backend="fp8")
-    assert e2m3.backend_reason.endswith("; GEMMs with E2M3 MX operands run as in emulate (no exact fold)")
-    assert "emulate" not in e2m1.backend_reason
+    _, e3m2 = resolve_execution("mxfp6_e3m2_full", backend="fp8")
+    assert e3m2.backend_reason.endswith("; GEMMs with E3M2 MX operands run as in emulate (no exact fold)")
+    for folded in ("mxfp4_full", "mxfp6_e2m3_full"):
+        assert "emulate" not in resolve_execution(folded, backend="fp8")[1].backend_reason
 
 
 def test_bad_element_formats_get_one_line_errors():

@@ -59,8 +59,8 @@ def _unfolded(recipe: Recipe, backend: str) -> str:
     """Which operands the resolved back end multiplies as emulate, as a clause for the reason; else nothing.
 
     fp8: the block-scaled operands it does not fold exactly into E4M3 (backends.fp8_unfolded: MX other
-    than E2M1, NVFP4). native: NVFP4 operands (jax.lax.scaled_dot is used for MX operands only,
-    backends.native_supports).
+    than E2M1 and E2M3, i.e. E3M2 and MXFP8's E4M3/E5M2, and NVFP4). native: NVFP4 operands
+    (jax.lax.scaled_dot is used for MX operands only, backends.native_supports).
     """
     if backend == "fp8":
         unfolded = backends.fp8_unfolded(recipe)

@@ -176,12 +176,22 @@ class MXArray:
 
     Blocks are `block_size` contiguous elements along `axis`; scale has x's shape with
     shape[axis] // block_size. The value of element i is data[i] * 2^(scale exponent of its block).
+
+    `elem` names the element format the data hold (formats.ALL_ELEM_FORMATS). It is static (pytree aux
+    data) and must be given where the data dtype does not decide it: E2M3, E3M2 and E4M3 are all stored
+    as float8_e4m3fn, and the fp8 back end folds E2M3 but not the other two. Invariant: `elem`'s storage
+    dtype is data's dtype (checked whenever data has a dtype; tree leaves that are not arrays, such as
+    vmap's axis specs, are not checked).
     """
 
     data: jax.Array
     scale: jax.Array
     axis: int = dataclasses.field(metadata=dict(static=True))
     block_size: int = dataclasses.field(metadata=dict(static=True))
+    elem: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        object.__setattr__(self, "elem", _element_of(self.data, self.elem))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -197,6 +207,32 @@ class MXArray:
         values = ldexp_exact(self.data.astype(jnp.float32), exponent)
         values = jnp.where(exponent == formats.SCALE_NAN_BITS - formats.SCALE_BIAS, jnp.nan, values)
         return values.astype(dtype)
+
+
+def _element_of(data, elem: str | None) -> str | None:
+    """The element format's name for MXArray data, checked against the data's dtype.
+
+    elem=None is taken from the dtype where exactly one format is stored in it (float4_e2m1fn -> e2m1,
+    float8_e5m2 -> e5m2); float8_e4m3fn holds E2M3, E3M2 or E4M3, so it needs elem. Leaves without a
+    dtype (or float0 tangents) are not checked: the static elem is carried through pytree maps as is.
+    """
+    dtype = getattr(data, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) == jnp.dtype(jax.dtypes.float0):
+        return elem
+    dtype = jnp.dtype(dtype)
+    stored_here = sorted(f.name for f in formats.ALL_ELEM_FORMATS.values() if jnp.dtype(f.dtype) == dtype)
+    if elem is None and len(stored_here) == 1:
+        return stored_here[0]
+    if elem is None:
+        holds = f"holds {', '.join(stored_here)}: pass elem=" if stored_here else "is no MX element dtype"
+        raise ValueError(f"MXArray data of dtype {dtype} {holds}")
+    name = get_elem_format(elem).name
+    if name not in stored_here:
+        raise ValueError(
+            f"MXArray elem={name!r} is stored as {jnp.dtype(get_elem_format(name).dtype)}, "
+            f"but its data are {dtype}"
+        )
+    return name
 
 
 def _check_mx_args(x: jax.Array, axis: int, block_size: int, scale_mode: str, rounding: str) -> int:
@@ -282,6 +318,7 @@ def quantize_mx(
         scale=jnp.moveaxis(scale, -1, axis),
         axis=axis,
         block_size=block_size,
+        elem=fmt.name,
     )
 
 

@@ -10,11 +10,11 @@ Every back end computes out[b, m, n] = sum_k a[b, m, k] * c[b, n, k] in float32 
 - `native`: MX x MX GEMMs through `jax.lax.scaled_dot` (float4_e2m1fn / float8 data, float8_e8m0fnu
   scales), which XLA lowers to hipBLASLt block-scaled GEMMs on MI355X (gfx950) and cuDNN on Blackwell,
   for the shapes `native_supports` accepts; other GEMMs and shapes run as in `emulate`.
-- `fp8`: E2M1 MX operands folded exactly into E4M3 with one exponent per row (fold.py), one plain FP8
-  dot_general with float32 accumulation (cuBLASLt FP8 on Hopper, hipBLASLt FP8 on MI300 with the FNUZ
-  types), the row exponents applied to its result. Also MX x FP8Array. MX operands with other
-  elements (MXFP6's E2M3/E3M2, MXFP8's E4M3/E5M2) do not fold exactly into one E4M3 grid per row in
-  general: those GEMMs run as in `emulate` (execution.py names them in the resolved reason).
+- `fp8`: E2M1 (MXFP4) and E2M3 (MXFP6) MX operands folded exactly into E4M3 with one exponent per row
+  (fold.py), one plain FP8 dot_general with float32 accumulation (cuBLASLt FP8 on Hopper, hipBLASLt FP8
+  on MI300 with the FNUZ types), the row exponents applied to its result. Also MX x FP8Array. MX
+  operands with other elements (MXFP6's E3M2: exact only in a 9-binade window; MXFP8's E4M3/E5M2) are
+  not folded: those GEMMs run as in `emulate` (execution.py names them in the resolved reason).
 - `auto`: chosen from the device (probes.choose_backend: the dispatch table). The library reads no
   environment variable: the trainer's set-up maps FP4JAX_GEMM_BACKEND onto Recipe.backend.
 
@@ -229,7 +229,7 @@ def _native(a: MXArray, c: MXArray) -> jax.Array:
 
 
 def _runs_as_fp8(a_fold: bool, c_fold: bool, a_fp8: bool, c_fp8: bool, fp8_dtype) -> bool:
-    """The fp8 back end's rule, on what the operands are: foldable (E2M1 MX, blocks on K, or already folded)
+    """The fp8 back end's rule, on what the operands are: foldable (E2M1/E2M3 MX, blocks on K, or folded)
     or per-tensor FP8. Two foldable operands, or one and an OCP FP8Array (FNUZ devices do not mix them)."""
     if a_fold and c_fold:
         return True
@@ -242,24 +242,26 @@ def _is_folded(x, fp8_dtype) -> bool:
 
 
 def fp8_supports(a, c, fp8_dtype=jnp.float8_e4m3fn) -> bool:
-    """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1, blocks
-    on K) or already folded into fp8_dtype (fold.FoldedOperand), or one of those and one OCP FP8Array (not
-    on FNUZ devices, which do not mix the two)."""
+    """True when the fp8 back end runs this GEMM as one FP8 GEMM: both operands foldable MX (E2M1 or E2M3,
+    blocks on K; fold.is_foldable) or already folded into fp8_dtype (fold.FoldedOperand), or one of
+    those and one OCP FP8Array (not on FNUZ devices, which do not mix the two)."""
     a_fold = fold.is_foldable(a) or _is_folded(a, fp8_dtype)
     c_fold = fold.is_foldable(c) or _is_folded(c, fp8_dtype)
     return _runs_as_fp8(a_fold, c_fold, isinstance(a, FP8Array), isinstance(c, FP8Array), fp8_dtype)
 
 
 def fp8_folds(spec: QuantSpec) -> bool:
-    """Whether the fp8 back end folds operands quantized by `spec` exactly into E4M3: MX with E2M1 elements
-    (the spec-side twin of fold.is_foldable; a GEMM operand's blocks always lie on its contraction axis).
+    """Whether the fp8 back end folds operands quantized by `spec` exactly into E4M3: MX with elements in
+    fold.FOLDED_ELEMS, E2M1 or E2M3 (the spec-side twin of fold.is_foldable; a GEMM operand's blocks
+    always lie on its contraction axis).
 
-    MXFP6's E2M3/E3M2 and MXFP8's elements do not fit one E4M3 grid per row in general, and NVFP4's E4M3
-    block scales times E2M1 elements leave E4M3's grid: GEMMs with such an operand run as in emulate (the
-    same numbers). The one statement of the rule for recipes: quantizer_folds, fp8_unfolded and, through
-    fp8_unfolded, execution's resolved reason and the self-check's FP8-GEMM count use it.
+    MXFP6's E3M2 folds exactly only within 9 binades of its row's top block, MXFP8's elements do not fit
+    one E4M3 grid per row in general, and NVFP4's E4M3 block scales times E2M1 elements leave E4M3's
+    grid: GEMMs with such an operand run as in emulate (the same numbers). The one statement of the rule
+    for recipes: quantizer_folds, fp8_unfolded and, through fp8_unfolded, execution's resolved reason and
+    the self-check's FP8-GEMM count use it.
     """
-    return spec.kind == "mx" and spec.elem == "e2m1"
+    return spec.kind == "mx" and spec.elem in fold.FOLDED_ELEMS
 
 
 def fp8_unfolded(recipe: Recipe) -> tuple[QuantSpec, ...]:
@@ -271,9 +273,11 @@ def fp8_unfolded(recipe: Recipe) -> tuple[QuantSpec, ...]:
 
 
 def quantizer_folds(a_spec: QuantSpec, c_spec: QuantSpec, backend: str) -> bool:
-    """Whether a fused quantizer should write this GEMM's E2M1 MX operands already folded: when the fp8 back
-    end will run it as one FP8 GEMM in float8_e4m3fn (the fused fold writes that type only; on FNUZ
-    devices the quantizer writes MX and the back end folds)."""
+    """Whether a fused quantizer should write this GEMM's MX operands already folded: when the fp8 back end
+    will run it as one FP8 GEMM in float8_e4m3fn (the fused fold writes that type only; on FNUZ devices
+    the quantizer writes MX and the back end folds). The fused quantizer encodes E2M1 only among the
+    folded elements: an E2M3 operand takes the reference path (quantized_dot._fused_impl), whose MXArray
+    `_fold_or_fp8` folds."""
     if backend != "fp8" or jnp.dtype(probes.device_fold_dtype()) != jnp.dtype(jnp.float8_e4m3fn):
         return False
     a_fold, c_fold = (fp8_folds(s) for s in (a_spec, c_spec))
@@ -293,11 +297,11 @@ def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn, out_dtype=jnp.float32) -> jax.
     """out = dot_fp8(fold(a), fold(c)) * 2^Ea[m] * 2^Ec[n] (* 1/scale for an FP8Array operand).
 
     Equal to `emulate` up to the summation order of the float32 accumulation, except for elements of
-    blocks the fold flushes (more than 14 binades below their row's top block; see fold.py). Float32,
-    except that out_dtype=bfloat16 with only power-of-two exponents to apply (two MX operands) asks the
-    GEMM for bfloat16 directly: power-of-two scaling commutes with rounding, so the result equals the
-    float32 one rounded to bfloat16 wherever that is a normal number, and the GEMM writes half the bytes
-    (the scaling pass after it reads half as many).
+    blocks the fold flushes (more than the element's window below their row's top block: 14 binades for
+    E2M1, 11 / 12 for E2M3; see fold.py). Float32, except that out_dtype=bfloat16 with only power-of-two
+    exponents to apply (two MX operands) asks the GEMM for bfloat16 directly: power-of-two scaling
+    commutes with rounding, so the result equals the float32 one rounded to bfloat16 wherever that is a
+    normal number, and the GEMM writes half the bytes (the scaling pass after it reads half as many).
     """
     a_data, a_exp, a_mult = _fold_or_fp8(a, fp8_dtype)
     c_data, c_exp, c_mult = _fold_or_fp8(c, fp8_dtype)

@@ -88,7 +88,8 @@ __all__ = [
 
 OUTPUTS = ("mx", "fp8_fold")
 # The element formats the fused kernels encode (codes.MAX_CODE); MXFP6 (E2M3, E3M2) operands take the
-# reference path (quantize.quantize_mx) until the kernels encode them and are checked on a GPU.
+# reference path (quantize.quantize_mx) until the kernels encode them and are checked on a GPU. On the fp8
+# back end an E2M3 operand is folded from that path's MXArray (fold.fold_mx_to_fp8), not here.
 FUSED_ELEMS = tuple(MAX_CODE)
 IMPLS = ("auto", "pallas", "xla")
 
@@ -316,6 +317,7 @@ def _assemble(raw, out_shape, lead, spec, out):
             scale=scale.reshape(*out_shape[:-1], -1),
             axis=len(out_shape) - 1,
             block_size=spec.block_size,
+            elem=fmt.name,
         )
     data_u8, row_exponent, flushed = raw
     data = lax.bitcast_convert_type(data_u8.astype(jnp.uint8), jnp.float8_e4m3fn).reshape(out_shape)
