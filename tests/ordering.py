@@ -14,40 +14,44 @@ from __future__ import annotations
 
 __all__ = ["DEFAULT_LANE", "LONG_LANE", "deal", "lane_seconds", "run_sizes"]
 
-# Seconds of worker time of each lane's slowest modules (2 cores, 2026-12-03, `--durations`: the default
-# lane on an idle machine, the long lane on one shared with other work).
-# The lanes: tests/long_lane.py. Only an ordering: a stale figure makes the suite slower, never different.
+# Seconds of each lane's slowest modules on 2 cores (2026-12-04, at 21b6bfa): the default lane's are
+# CPU-seconds per module (user + system, a test's subprocesses included), which on an idle machine are its
+# worker seconds and stay near them when others share the machine; the long lane's are `--durations` worker
+# seconds (its several-process runs use more cores than their worker). The lanes: tests/long_lane.py.
+# Only an ordering: a stale figure makes the suite slower, never different.
 DEFAULT_LANE = {
-    "test_faults.py": 39,
-    "test_train.py": 36,
+    "test_faults.py": 50,
     "test_fused_quantize.py": 35,
-    "test_fold.py": 32,
-    "test_diagnostics.py": 27,
-    "test_mx_dot.py": 24,
-    "test_flax_adapters.py": 23,
-    "test_llama.py": 19,
-    "test_branch.py": 18,
-    "test_quantize.py": 17,
-    "test_readme.py": 16,
-    "test_selfcheck.py": 15,
+    "test_train.py": 29,
+    "test_mx_dot.py": 26,
+    "test_diagnostics.py": 24,
+    "test_fold.py": 22,
+    "test_branch.py": 21,
+    "test_llama.py": 21,
+    "test_selfcheck.py": 21,
+    "test_flax_adapters.py": 20,
     "test_gemm_operands.py": 15,
-    "test_instruments.py": 12,
-    "test_configs.py": 10,
-    "test_multidevice.py": 9,
-    "test_formats_mxfp6.py": 11,
-    "test_formats_nvfp4_gemm.py": 20,
     "test_formats_train.py": 15,
+    "test_quantize.py": 15,
+    "test_configs.py": 13,
+    "test_readme.py": 10,
+    "test_formats_nvfp4_gemm.py": 10,
+    "test_evaluation_selection.py": 9,
+    "test_instruments.py": 7,
+    "test_multidevice.py": 7,
+    "test_formats_mxfp6.py": 6,
 }
 LONG_LANE = {
-    "test_multiprocess.py": 480,
-    "test_multidevice.py": 200,
-    "test_fused_quantize.py": 107,
-    "test_bench_train.py": 62,
-    "test_instruments.py": 49,
-    "test_gemm_operands.py": 48,
-    "test_ladder.py": 40,
-    "test_train.py": 33,
-    "test_formats_train.py": 40,
+    "test_multiprocess.py": 228,
+    "test_multidevice.py": 56,
+    "test_train.py": 49,
+    "test_formats_train.py": 43,
+    "test_fused_quantize.py": 37,
+    "test_ladder.py": 29,
+    "test_instruments.py": 28,
+    "test_gemm_operands.py": 28,
+    "test_bench_train.py": 20,
+    "test_selfcheck.py": 18,
 }
 
 
