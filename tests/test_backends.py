@@ -470,8 +470,9 @@ def test_the_execution_record_says_what_the_kernels_run(monkeypatch):
         == "pallas kernels where the tiles fit, reference elsewhere"
     )
     assert runs("mxfp4_full_sr") == (
-        "pallas kernels (stochastic rounding in the kernels, its random bits drawn by XLA) where the tiles "
-        "fit, reference elsewhere"
+        "pallas kernels (stochastic rounding in the kernels, which draw its bits themselves where jax's "
+        "threefry formula applies) "
+        "where the tiles fit, reference elsewhere"
     )
     assert "; prescale in the kernels)" in runs("mxfp4_full_sr_prescale")
 

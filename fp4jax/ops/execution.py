@@ -49,7 +49,10 @@ def _kernel_extras(recipe: Recipe) -> str:
     mx = [s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "mx"]
     extras = []
     if any(s.rounding == "stochastic" for s in mx):
-        extras.append("stochastic rounding in the kernels, its random bits drawn by XLA")
+        extras.append(
+            "stochastic rounding in the kernels, which draw its bits themselves where jax's threefry "
+            "formula applies"
+        )
     if any(s.prescale != 1 for s in mx):
         extras.append("prescale in the kernels")
     return f" ({'; '.join(extras)})" if extras else ""
