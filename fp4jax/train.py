@@ -10,10 +10,12 @@ input (one line "error: ..." on stderr); 3 diverged (the summary is still writte
 Formats: docs/training.md.
 """
 
+import json
 import os
 import re
 import sys
 
+import jax
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
@@ -87,6 +89,12 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _print_summary(summary: dict) -> None:
+    """The run's summary as one `summary: {...}` line on stdout, from process 0 (summary.json's content)."""
+    if jax.process_index() == 0:
+        print("summary: " + json.dumps(summary, sort_keys=True), flush=True)
+
+
 def main(argv=None) -> int:
     """The command line; returns the exit code (see the module docstring). Only user errors (UserError,
     DataError) become one line; anything else propagates with its traceback (exit 1)."""
@@ -98,6 +106,7 @@ def main(argv=None) -> int:
         apply_xla_options(config)
         initialize_distributed()
         summary = train(config, workdir)
+        _print_summary(summary)
     except (UserError, DataError) as exc:
         if debug:
             raise

@@ -160,6 +160,7 @@ class Watchdog(threading.Thread):
                     self.lost(peer, f"{why} for {now - since:.0f} s")
 
     def lost(self, peer: int, why: str):
+        # print, not logging (as _exit_lost): the process ends by os._exit right after.
         print(lost_process_line(peer, self.count, self.index, why), file=sys.stderr, flush=True)
         os._exit(EXIT_LOST_PROCESS)
 
@@ -245,6 +246,7 @@ def _on_service_error(status=None, *args):
 
 
 def _exit_lost(line: str):
+    # print, not logging: os._exit skips logging's flush at exit, and this line is the user's only clue.
     print(line, file=sys.stderr, flush=True)
     os._exit(EXIT_LOST_PROCESS)
 

@@ -40,6 +40,7 @@ class StopSignals:
         if self.requested:
             raise KeyboardInterrupt(f"{name} after {self.requested}")
         self.requested = name
+        # print, not logging: logging's handlers take locks that a signal handler may interrupt mid-write.
         print(
             f"{name}: stopping after this update with a checkpoint (send it again to stop at once, unsaved)",
             file=sys.stderr,

@@ -92,7 +92,7 @@ def median_tokens_per_s(workdir: str) -> float | None:
 
 
 def write_summary(workdir: str, summary: dict):
-    """Process 0 writes summary.json (atomically) and prints it as one `summary: {...}` line."""
+    """Process 0 writes summary.json (atomically); the command line prints it (fp4jax.train)."""
     if jax.process_index() != 0:
         return
     path = summary_path(workdir)
@@ -100,7 +100,6 @@ def write_summary(workdir: str, summary: dict):
         json.dump(summary, f, indent=2, sort_keys=True)
         f.write("\n")
     os.replace(path + ".tmp", path)
-    print("summary: " + json.dumps(summary, sort_keys=True), flush=True)
 
 
 def say(line: str):
