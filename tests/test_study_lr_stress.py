@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+from study_plans import stage_toml
 
 from fp4jax.study import __main__ as study_cli
 from fp4jax.study import lr_stress, plan, runner, runs
@@ -18,22 +19,9 @@ STEPS, EVERY, TOKENS = 200, 20, 1000  # a fake run: 200 updates of 1,000 tokens,
 
 
 def _stage(name: str, lr: float, extra: str = "") -> str:
-    return f"""
-[[stages]]
-name = "{name}"
-design = "scratch_paired"
-config = "configs/tiny_c4_h16.py"
-baseline = "a"
-seeds = [0, 1]
-steps = {STEPS}
-warmup_steps = 10
-peak_lr = {lr}
-backend = "auto"
-run_minutes = 0.01
-{extra}[stages.arms]
-a = "fp8"
-b = "mxfp4_full"
-"""
+    """A stage of the tiny series: arms a (fp8, the baseline) and b (mxfp4_full), 200 updates at `lr`."""
+    arms = {"a": "fp8", "b": "mxfp4_full"}
+    return stage_toml(name, arms, steps=STEPS, warmup_steps=10, peak_lr=lr, extra=extra)
 
 
 STRESS = 'lr_reference = "ref"\ncount_spikes = { spike_nats = 0.1, window = 20 }\n'

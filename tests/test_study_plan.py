@@ -10,6 +10,7 @@ import re
 import sys
 
 import pytest
+from study_plans import stage_toml
 
 from fp4jax.study import plan, runner, runs
 
@@ -18,23 +19,8 @@ PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
 
 
 def _stage(name: str, arms: dict[str, str], *, seeds=(0, 1), backend: str = "auto", extra: str = "") -> str:
-    """One [[stages]] block of the tiny plans (the gate's design, config, horizon and LR): `extra` lines
-    go before its arms."""
-    arm_lines = "".join(f'{arm} = "{recipe}"\n' for arm, recipe in arms.items())
-    return f"""
-[[stages]]
-name = "{name}"
-design = "scratch_paired"
-config = "configs/tiny_c4_h16.py"
-baseline = "a"
-seeds = {list(seeds)}
-steps = 4
-warmup_steps = 1
-peak_lr = 1e-3
-backend = "{backend}"
-run_minutes = 0.01
-{extra}[stages.arms]
-{arm_lines}"""
+    """One [[stages]] block of the tiny plans (the gate's design, config, horizon and LR)."""
+    return stage_toml(name, arms, seeds=seeds, backend=backend, extra=extra)
 
 
 TINY_PLAN = (
