@@ -1,6 +1,6 @@
 """jax.random.bits's uint32 draw as a counter formula: the bit of one element from its index alone.
 
-Invariant (tests/test_sr_kernel_bits.py checks it bit for bit): where `formula_applies(key, size)`,
+Invariant (tests/test_fused_quantize.py checks it bit for bit): where `formula_applies(key, size)`,
 
     random_bits(jax.random.key_data(key), i) == jax.random.bits(key, shape, jnp.uint32).reshape(-1)[i]
 
