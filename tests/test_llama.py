@@ -153,6 +153,28 @@ def test_gqa_attention_matches_naive():
     np.testing.assert_allclose(got, _naive_gqa(q, k, v), atol=1e-5)
 
 
+def test_pallas_attention_matches_naive_and_xla_gradients():
+    """The Pallas flash attention (interpreted on the CPU): forward against the naive numpy attention,
+    gradients of every input (grouped kv heads included) against XLA's attention."""
+    q, k, v = _normal(2, 32, 4, 16, seed=0), _normal(2, 32, 2, 16, seed=1), _normal(2, 32, 2, 16, seed=2)
+    got = jax.jit(llama.causal_attention, static_argnums=3)(q, k, v, "pallas")
+    np.testing.assert_allclose(got, _naive_gqa(q, k, v), atol=1e-5)
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(jnp.sin(llama.causal_attention(q, k, v, impl)))
+
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, err_msg=f"d{name}")
+
+
+def test_pallas_attention_rejects_a_sequence_its_blocks_do_not_tile():
+    q, kv = _normal(1, 160, 2, 8), _normal(1, 160, 2, 8)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        llama.causal_attention(q, kv, kv, "pallas")
+
+
 # ------------------------------------------------------------------------------------------- model
 
 

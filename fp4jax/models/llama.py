@@ -99,7 +99,10 @@ REMAT_OPTIONS = ("none", "full", "dots_saveable", "minimal", "minimal_attention"
 # primitive of this name, or this name + "_wrapper" (the one jax 0.10-0.11 binds). Its outputs are the
 # attention output and the softmax statistics the backward kernel reads: saving them spares the rerun.
 ATTENTION_FORWARD_PRIMITIVE = "dot_product_attention_fwd"
-ATTENTION_OPTIONS = ("auto", "xla", "cudnn")
+ATTENTION_OPTIONS = ("auto", "xla", "cudnn", "pallas")
+# The Pallas (Triton) flash attention's query and key block: the sequence length must be a multiple of
+# it, or shorter than it (then the whole sequence is one block).
+PALLAS_ATTENTION_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +253,50 @@ def causal_attention(
     High precision: QK^T and PV take `dtype` operands with fp32 accumulation, softmax in fp32.
     """
     impl = attention_implementation(option, q_BTNH.dtype, q_BTNH.shape[-1])
+    if impl == "pallas":
+        return pallas_causal_attention(q_BTNH, k_BSKH, v_BSKH)
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True, implementation=impl)
+
+
+def pallas_causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
+    """causal_attention through jax's Pallas flash attention (jax.experimental.pallas.ops.gpu.attention).
+
+    Why it exists: its backward computes dK/dV and dQ in separate loops, without atomic adds, so it is
+    repeatable under --xla_gpu_deterministic_ops, where XLA's attention (the fallback of "auto")
+    materialises the T x S scores. The kernel is a Triton kernel (NVIDIA and ROCm GPUs); on the CPU it
+    runs in Pallas's interpreter (slow: tests only). The kernel takes as many kv heads as query heads, so
+    grouped kv heads are repeated first (their gradients summed back by repeat's transpose).
+    """
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # experimental: lazily
+
+    seq_len, n_heads, n_kv = q_BTNH.shape[1], q_BTNH.shape[2], k_BSKH.shape[2]
+    block = min(PALLAS_ATTENTION_BLOCK, seq_len)
+    if seq_len % block:
+        raise ValueError(
+            f"model.attention=pallas needs a sequence length that is a multiple of {block}, got {seq_len}; "
+            "change data.seq_len or use model.attention=xla"
+        )
+    k_BSNH = jnp.repeat(k_BSKH, n_heads // n_kv, axis=2)
+    v_BSNH = jnp.repeat(v_BSKH, n_heads // n_kv, axis=2)
+    backward_block = min(32, block)
+    blocks = pallas_attention.BlockSizes(
+        block_q=block,
+        block_k=block,
+        block_q_dkv=backward_block,
+        block_kv_dkv=backward_block,
+        block_q_dq=backward_block,
+        block_kv_dq=backward_block,
+    )
+    return pallas_attention.mha(
+        q_BTNH,
+        k_BSNH,
+        v_BSNH,
+        segment_ids=None,
+        sm_scale=q_BTNH.shape[-1] ** -0.5,
+        causal=True,
+        block_sizes=blocks,
+        interpret=jax.default_backend() == "cpu",
+    )
 
 
 # --------------------------------------------------------------------------------------------- layers
