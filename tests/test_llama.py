@@ -157,8 +157,10 @@ def test_pallas_attention_matches_naive_and_xla_gradients():
     """The Pallas flash attention (interpreted on the CPU): forward against the naive numpy attention,
     gradients of every input (grouped kv heads included) against XLA's attention."""
     q, k, v = _normal(2, 32, 4, 16, seed=0), _normal(2, 32, 2, 16, seed=1), _normal(2, 32, 2, 16, seed=2)
+    # On a GPU the Triton kernel multiplies float32 as TF32 (10 fraction bits); interpreted, in float32.
+    atol = 1e-5 if jax.default_backend() == "cpu" else 5e-3
     got = jax.jit(llama.causal_attention, static_argnums=3)(q, k, v, "pallas")
-    np.testing.assert_allclose(got, _naive_gqa(q, k, v), atol=1e-5)
+    np.testing.assert_allclose(got, _naive_gqa(q, k, v), atol=atol)
 
     def loss(impl):
         return lambda q, k, v: jnp.sum(jnp.sin(llama.causal_attention(q, k, v, impl)))
@@ -166,7 +168,7 @@ def test_pallas_attention_matches_naive_and_xla_gradients():
     want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
     got = jax.jit(jax.grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v)
     for name, g, w in zip("qkv", got, want, strict=True):
-        np.testing.assert_allclose(g, w, atol=2e-5, err_msg=f"d{name}")
+        np.testing.assert_allclose(g, w, atol=2 * atol, err_msg=f"d{name}")
 
 
 def test_pallas_attention_rejects_a_sequence_its_blocks_do_not_tile():

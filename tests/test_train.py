@@ -347,11 +347,26 @@ def test_deterministic_ops_read_from_xla_flags_first(monkeypatch, xla_flags, fro
     assert setup.deterministic_ops(config) is expected
 
 
-@pytest.mark.parametrize("attention, expected", [(None, "xla"), ("auto", "xla"), ("cudnn", "cudnn")])
-def test_deterministic_runs_take_xlas_attention_unless_told_otherwise(monkeypatch, attention, expected):
+@pytest.mark.parametrize(
+    "attention, nvidia, seq_len, expected",
+    [
+        (None, False, 64, "xla"),
+        ("auto", False, 64, "xla"),
+        ("auto", True, 64, "pallas"),  # shorter than a block: one block
+        ("auto", True, 1024, "pallas"),
+        ("auto", True, 1000, "xla"),  # the Pallas blocks do not tile it
+        ("cudnn", True, 1024, "cudnn"),
+    ],
+)
+def test_deterministic_runs_take_a_repeatable_attention_unless_told_otherwise(
+    monkeypatch, attention, nvidia, seq_len, expected
+):
+    from fp4jax.models import llama
+
     monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(llama, "_on_nvidia_gpu", lambda: nvidia)
     config = tiny_config("unused")
-    config.model.attention = attention
+    config.model.attention, config.seq_len = attention, seq_len
     assert setup.resolve_config(config).model.attention == attention  # off: as configured
     config.xla_gpu_deterministic_ops = True
     assert setup.resolve_config(config).model.attention == expected

@@ -64,6 +64,7 @@ __all__ = [
     "RMSNorm",
     "apply_rope",
     "attention_implementation",
+    "deterministic_attention",
     "block_segments",
     "causal_attention",
     "flops_per_token",
@@ -243,6 +244,19 @@ def attention_implementation(option: str, dtype: Any, head_dim: int) -> str:
         return option
     cudnn_ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
     return "cudnn" if cudnn_ok and _on_nvidia_gpu() else "xla"
+
+
+def deterministic_attention(seq_len: int) -> str:
+    """What "auto" attention becomes under --xla_gpu_deterministic_ops: the Pallas flash attention on an
+    NVIDIA GPU where its blocks tile the sequence, else XLA's attention.
+
+    Why: XLA failed to compile cuDNN flash attention under the flag (jax 0.11.2, the 125M step), and XLA's
+    attention materialises the T x S scores: 2.6x the default step time at T = 1024, against 1.38x with
+    the Pallas kernel, whose updates repeated bit for bit across processes (docs/training.md,
+    Repeatability). Call it after the flag is set: it asks jax for the devices.
+    """
+    fits = seq_len <= PALLAS_ATTENTION_BLOCK or seq_len % PALLAS_ATTENTION_BLOCK == 0
+    return "pallas" if fits and _on_nvidia_gpu() else "xla"
 
 
 def causal_attention(

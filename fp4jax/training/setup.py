@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from fp4jax import xla_flags
 from fp4jax.data import DataError, load_tokenizer
-from fp4jax.models.llama import Llama, llama_config, padded_vocab_size
+from fp4jax.models.llama import Llama, deterministic_attention, llama_config, padded_vocab_size
 from fp4jax.models.sharding import (
     batch_sharding,
     check_global_batch,
@@ -155,9 +155,8 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         get_recipe(config.recipe)  # unknown preset: the message lists the presets
         deterministic = deterministic_ops(config)  # a flag value XLA cannot read: one line naming it
     if deterministic and config.model.get("attention") in (None, "auto"):
-        # XLA's attention is repeatable under the flag (measured); XLA failed to compile cuDNN flash
-        # attention with it in the 125M step (jax 0.11.2, docs/training.md), so "auto" takes XLA's.
-        config.model.attention = "xla"
+        # cuDNN flash attention does not compile under the flag (jax 0.11.2): llama.deterministic_attention.
+        config.model.attention = deterministic_attention(config.seq_len)
     return config
 
 
