@@ -3,6 +3,8 @@ eval curve is the baseline's power law stretched in tokens by a planted factor, 
 by all arms and small independent noise; the contrasts, token overheads and verdicts must recover what
 was planted."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -105,8 +107,35 @@ def test_the_literature_contrasts_are_reported_outside_the_holm_family():
     without = claims.analyze(_runs({a: s for a, s in stretch.items() if a in ARMS}), "fp8", ARMS, last_k=5)
     assert [r["name"] for r in with_lit["reported"]] == list(claims.REPORTED)
     assert "p_holm" not in with_lit["reported"][0]
-    # The literature's arms do not change the family's correction.
+    # The literature's arms do not change the family: its pooled variance, df and correction are the
+    # pre-registered arms' alone (a noisy literature arm below widens only the reported rows).
     holm = {r["name"]: r["p_holm"] for r in with_lit["contrasts"]}
+    assert with_lit["contrasts"] == without["contrasts"] and with_lit["df"] == without["df"]
     assert [r["name"] for r in with_lit["contrasts"]] == [r["name"] for r in without["contrasts"]]
     assert len(holm) == 7 and "C8" not in holm  # C1-C3, C5-C7, C10 (C4 needs h16_wgrad_only)
     assert with_lit["reported"][0]["tokens"]["overhead"] == pytest.approx(1.03 / 1.15 - 1, abs=0.01)
+
+
+def test_a_noisy_literature_arm_widens_its_own_rows_and_not_the_familys():
+    arms = [*ARMS, "tseng"]
+    stretch = {arm: 1.0 + (0.1 if arm.startswith("full") else 0.03) for arm in arms}
+    stretch["fp8"] = 1.0
+    quiet = _runs(stretch)
+    # tseng's seeds move against the shared seed effects: a residual the other arms do not have.
+    noisy = [r for r in quiet if r.rung != "tseng"] + [
+        _shifted(r, 0.03 if r.seed == 2 else -0.015) for r in quiet if r.rung == "tseng"
+    ]
+    result = claims.analyze(noisy, "fp8", arms, last_k=5)
+    family_only = claims.analyze([r for r in noisy if r.rung != "tseng"], "fp8", ARMS, last_k=5)
+    assert result["contrasts"] == family_only["contrasts"]
+    assert result["family_arms"] == ARMS and result["df"] == family_only["df"] == (len(ARMS) - 1) * 2
+    model = result["reported_model"]
+    assert model["df"] == len(arms) * 3 - len(arms) - 2 and model["pooled_sd"] > 5 * result["pooled_sd"]
+    tseng = next(r for r in result["versus_baseline"] if r["name"] == "tseng - fp8")
+    full = next(r for r in result["versus_baseline"] if r["name"] == "full - fp8")
+    assert tseng["se"] > 5 * full["se"]
+    assert "tseng" in claims.to_markdown(result).split("\n")[1]  # the second model is named
+
+
+def _shifted(run, by: float):
+    return dataclasses.replace(run, evals=tuple((i, t, loss + by) for i, t, loss in run.evals))

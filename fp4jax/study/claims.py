@@ -8,9 +8,11 @@ Invariants:
   not diverged) enter the table, and the others are listed with their outcome;
 - a block is a seed: every arm with seed k shares its initialisation and data order;
 - the Holm family is the pre-registered family (C1-C7, C10) as far as the runs present make it
-  estimable; the literature's contrasts (C8, C9 and their companions) are reported outside it, with
-  their own intervals and no verdict; while some arms are missing the analysis is marked interim and
-  every verdict that needs a missing arm says so;
+  estimable, fitted on the pre-registered arms alone (FAMILY_ARMS: the ladder's ten), so that arms added
+  later change neither its pooled variance nor its degrees of freedom; the literature's contrasts (C8, C9
+  and their companions) are reported outside it, with no verdict, from a second fit over every arm
+  present (its own pooled sd and df, `reported_model`); while some arms are missing the analysis is
+  marked interim and every verdict that needs a missing arm says so;
 - token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
   runs' tokens (stats.iso_loss_overhead).
 """
@@ -25,6 +27,7 @@ __all__ = [
     "CLAIMS",
     "CONTRASTS",
     "DEFAULT_LAST_K",
+    "FAMILY_ARMS",
     "REPORTED",
     "TOKEN_BAND",
     "analyze",
@@ -54,6 +57,12 @@ REPORTED: dict[str, dict[str, float]] = {
 }
 # Claim (a)'s ordering C1 > C2 + C3, as one contrast: C1 - C2 - C3 = full - 2 fprop_dgrad + fp8.
 ORDERING = {"full": 1, "fprop_dgrad": -2, "fp8": 1}
+# The arms the pre-registered family is fitted on: the ladder's ten (docs/study_plan.md, "Model": 10 arms
+# x 3 seeds, 18 df), full_h32 among them though no contrast names it.
+FAMILY_ARMS = (
+    "fp8", "fprop", "fprop_dgrad", "full", "full_sr", "full_sr_prescale", "full_rht", "full_h16",
+    "full_h32", "h16_wgrad_only",
+)  # fmt: skip
 CLAIMS = {
     "a": "Wgrad drives the degradation (C1 large against C2 and C3)",
     "b": "SR and random Hadamard do not stabilise full MXFP4 (C5-C7 not < 0)",
@@ -91,20 +100,31 @@ def _with_tokens(row: dict, curve, tokens) -> dict:
     return dict(row, tokens=stats.iso_loss_overhead(curve, tokens, row["estimate"], row["se"], row["df"]))
 
 
+def _fit(cells: dict, arms: list[str]) -> stats.AdditiveFit:
+    """The arm x seed model over the cells of `arms` only."""
+    y, arm_names, blocks = stats.cells_to_table({k: v for k, v in cells.items() if k[0] in arms}, arms=arms)
+    return stats.fit_additive(y, arm_names, blocks)
+
+
 def analyze(study_runs, baseline: str, arms, last_k: int) -> dict:
     """Every number of the pre-registered analysis as JSON-ready data (see the module docstring)."""
     cells, tokens, excluded = primary_cells(study_runs, last_k)
     present = [a for a in arms if any(arm == a for arm, _ in cells)]
-    y, arm_names, blocks = stats.cells_to_table(cells, arms=present)
-    fit = stats.fit_additive(y, arm_names, blocks)
+    family_arms = [a for a in present if a in FAMILY_ARMS or a == baseline]
+    fit = _fit(cells, family_arms)
+    every_fit = fit if family_arms == present else _fit(cells, present)
     curve = _baseline_curve(study_runs, baseline)
     estimable = {n: w for n, w in CONTRASTS.items() if set(w) <= set(present)}
     family = stats.contrast_family(fit, estimable) if estimable and fit.df > 0 else []
     reported = [
-        stats.contrast(fit, w, n) for n, w in REPORTED.items() if set(w) <= set(present) and fit.df > 0
+        stats.contrast(every_fit, w, n)
+        for n, w in REPORTED.items()
+        if set(w) <= set(present) and every_fit.df > 0
     ]
     versus = [
-        stats.contrast(fit, {arm: 1, baseline: -1}, f"{arm} - {baseline}")
+        stats.contrast(
+            fit if arm in family_arms else every_fit, {arm: 1, baseline: -1}, f"{arm} - {baseline}"
+        )
         for arm in present
         if arm != baseline and fit.df > 0
     ]
@@ -121,6 +141,12 @@ def analyze(study_runs, baseline: str, arms, last_k: int) -> dict:
         "excluded": excluded,
         "pooled_sd": None if fit.sigma2 is None else math.sqrt(fit.sigma2),
         "df": fit.df,
+        "family_arms": family_arms,
+        "reported_model": {
+            "arms": present,
+            "pooled_sd": None if every_fit.sigma2 is None else math.sqrt(every_fit.sigma2),
+            "df": every_fit.df,
+        },
         "curve": {
             "E": curve.E,
             "A": curve.A,
@@ -220,9 +246,17 @@ def to_markdown(result: dict) -> str:
     at = ", ".join(f"{t:,}" for t in result["metric_tokens"])
     lines = [
         f"Primary metric: {result['metric']} (tokens {at}); "
-        f"paired arm x seed model, pooled residual sd {_nats(result['pooled_sd'])} ({result['df']} df); "
-        "95 % t intervals; token overhead through the baseline's fitted curve.",
+        f"paired arm x seed model over the pre-registered arms, pooled residual sd "
+        f"{_nats(result['pooled_sd'])} ({result['df']} df); 95 % t intervals; token overhead through the "
+        "baseline's fitted curve.",
     ]
+    other = [a for a in result["reported_model"]["arms"] if a not in result["family_arms"]]
+    if other:
+        model = result["reported_model"]
+        lines.append(
+            f"Rows of {', '.join(other)} (and the literature's contrasts): the same model over every arm, "
+            f"pooled residual sd {_nats(model['pooled_sd'])} ({model['df']} df)."
+        )
     if result["interim"]:
         lines.append(f"Interim: arms not yet run: {', '.join(result['arms_missing'])}.")
     head = "| {} | weights | loss difference, nats [95 %] | token overhead [95 %] | p |"
