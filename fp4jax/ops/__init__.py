@@ -9,9 +9,10 @@ re-export of the model-facing subset:
     from fp4jax.ops import mx_dot_general, QuantDotGeneral, NnxQuantDotGeneral, make_dot_general
 
 Groups: formats and recipes (what to compute); quantizers (quantize_mx, quantize_fp8, quantize_nvfp4,
-rotate_quantize with its KernelConfig, the fold); the quantized dot_general and its per-GEMM steps
-(quantize_operand, quantize_gemm_operands, rotated_gemm_operands, multiply_gemm_operands); GEMM back
-ends and this device (resolve_execution, describe_device, choose_backend, fp8_unfolded, ...).
+rotate_quantize with its KernelConfig, the fold, pack_mx's storage at the formats' widths); the quantized
+dot_general and its per-GEMM steps (quantize_operand, quantize_gemm_operands, rotated_gemm_operands,
+multiply_gemm_operands); GEMM back ends and this device (resolve_execution, describe_device,
+choose_backend, fp8_unfolded, ...).
 """
 
 # `fp4jax.ops.mx_dot` is the module of the quantized dot_general's public names (mx_dot.py), never a
@@ -42,6 +43,7 @@ from fp4jax.ops.kernels.probes import (
 )
 from fp4jax.ops.kernels.tile_math import hadamard_rotate
 from fp4jax.ops.nvfp4 import NVFP4Array, nvfp4_global_scale, quantize_nvfp4
+from fp4jax.ops.packing import PACKED_BITS, PackedMXArray, pack_mx
 from fp4jax.ops.quantize import (
     FP8Array,
     MXArray,
@@ -80,6 +82,7 @@ __all__ = [
     "BACKENDS",
     "ELEM_FORMATS",
     "GEMMS",
+    "PACKED_BITS",
     "PRESETS",
     "QUANTIZERS",
     "BackendChoice",
@@ -93,6 +96,7 @@ __all__ = [
     "MXArray",
     "NVFP4Array",
     "NnxQuantDotGeneral",
+    "PackedMXArray",
     "QuantDotGeneral",
     "QuantSpec",
     "Recipe",
@@ -124,6 +128,7 @@ __all__ = [
     "mx_dot",
     "mx_dot_general",
     "operand_layouts",
+    "pack_mx",
     "pallas_supports",
     "quantize_fp8",
     "quantize_gemm_operands",
