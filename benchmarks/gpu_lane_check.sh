@@ -5,7 +5,8 @@
 #
 # 1. pytest: test_backends (auto = fp8 on Hopper, FP8 accumulation promoted to float32), test_fold,
 #    the rotation-spelling test, the configs subprocess, shellcheck, test_mx_dot's preset references
-#    (the FP8 accumulation bound) and the three diagnostics tests that compile the operand capture.
+#    (the FP8 accumulation bound), the three diagnostics tests that compile the operand capture, the
+#    Pallas flash attention (the deterministic runs' kernel) and the 6-bit packing.
 # 2. benchmarks/gpu_repro_diagnostics.py: which construct trips XLA when compiling the capture.
 # 3. benchmarks/gpu_probe_fp8.sh (short steps): compile time of the fp8 back end, Triton GEMM on / off.
 set -u
@@ -28,6 +29,8 @@ timeout -k 5 140 python -m pytest -p no:cacheprovider -rs -q \
   tests/test_diagnostics.py::test_capture_matches_the_models_own_gradients \
   tests/test_diagnostics.py::test_probe_runs_under_jit_and_returns_finite_scalars \
   tests/test_diagnostics.py::test_cli_writes_table_json_and_plot \
+  tests/test_llama.py::test_pallas_attention_matches_naive_and_xla_gradients \
+  tests/test_packing.py \
   >"$logs/pytest.log" 2>&1
 rc=$?; echo "pytest rc=$rc"; [ "$rc" = 0 ] || status=1
 grep -E "passed|failed|error|^FAILED|^ERROR|^SKIPPED" "$logs/pytest.log" | tail -40
