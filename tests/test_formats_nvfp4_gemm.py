@@ -28,9 +28,10 @@ from fp4jax.ops import (
     Recipe,
     mx_dot_general,
     quantize_gemm_operands,
+    quantize_mx,
     random_signs,
 )
-from fp4jax.ops.kernels import backends
+from fp4jax.ops.kernels import backends, probes
 from fp4jax.ops.nvfp4 import NVFP4Array
 from fp4jax.ops.recipes import NVFP4, NVFP4_SR, NVFP4_W2D, RHT16_PER_RUN
 
@@ -409,8 +410,9 @@ def test_stochastic_gradients_are_unbiased():
 
 @pytest.mark.parametrize("backend", ["fp8", "native"])
 def test_backends_without_nvfp4_gemms_multiply_as_emulate(backend):
-    """Neither the fold (E4M3 block scales times E2M1 leave E4M3's grid) nor scaled_dot (MX only) takes
-    NVFP4: both run emulate's GEMM, bit for bit, and the resolved execution names them (below)."""
+    """The fold does not take NVFP4 (E4M3 block scales times E2M1 leave E4M3's grid), nor scaled_dot these
+    shapes (K not a multiple of 128): both run emulate's GEMM, bit for bit, and the resolved execution
+    names them (below)."""
     x, w, dy = layer(12)
     ops = _gemm_operands(PRESETS["nvfp4_nvidia"], x, w, dy, jax.random.key(2))
     for stage, (qa, qc) in ops.items():
@@ -418,6 +420,42 @@ def test_backends_without_nvfp4_gemms_multiply_as_emulate(backend):
         want = jax.jit(functools.partial(backends.matmul, backend="emulate"))(qa, qc)
         got = jax.jit(functools.partial(backends.matmul, backend=backend))(qa, qc)
         np.testing.assert_array_equal(f32_bits(got), f32_bits(want), err_msg=stage)
+
+
+@pytest.mark.parametrize("name", ["nvfp4_full", "nvfp4_nvidia"])
+def test_native_multiplies_nvfp4_pairs_through_scaled_dot_as_emulate(name):
+    """NVFP4 x NVFP4 through jax.lax.scaled_dot (E4M3 scales per 16; the weight's 2D tiles as per-row
+    scales; dy's SR and Wgrad's rotation in nvfp4_nvidia) gives emulate's float32 bits on adversarial
+    operands, NaN blocks included: the same exact products, summed in float32, times the same alpha."""
+    if error := probes.scaled_dot_compile_error():
+        pytest.skip(f"scaled_dot does not compile in this process: {error}")
+    if jax.default_backend() != "cpu" and not probes.nvfp4_scaled_dot_compiles():
+        pytest.skip("XLA does not compile an NVFP4 scaled_dot on this device")
+    assert probes.nvfp4_scaled_dot_compiles()  # on the CPU it must
+    x, w, dy = layer(13, t=256, k=128, n=128, kind="adversarial")
+    x[3, 5] = np.nan
+    ops = _gemm_operands(PRESETS[name], x, w, dy, jax.random.key(3))
+    for stage, (qa, qc) in ops.items():
+        assert backends.native_supports(qa, qc), stage
+        want = jax.jit(functools.partial(backends.matmul, backend="emulate"))(qa, qc)
+        got = jax.jit(functools.partial(backends.matmul, backend="native"))(qa, qc)
+        jaxpr = jax.make_jaxpr(functools.partial(backends.matmul, backend="native"))(qa, qc)
+        assert any(e.primitive.name == "scaled_dot" for e in jaxpr.jaxpr.eqns), stage
+        assert np.isnan(np.asarray(want)).any() or stage == "dgrad", stage  # x's NaN block reaches the output
+        np.testing.assert_array_equal(f32_bits(got), f32_bits(want), err_msg=stage)
+
+
+GFX950 = probes.DeviceDescription("amd", "MI355X", "gfx950")
+
+
+def test_native_leaves_nvfp4_where_scaled_dot_cannot_take_it(monkeypatch):
+    x, w, dy = layer(14, t=256, k=128, n=128)
+    qa, qc = _gemm_operands(PRESETS["nvfp4_full"], x, w, dy, None)["fprop"]
+    assert backends.native_supports(qa, qc)
+    mx = quantize_mx(jnp.asarray(w.T)[None], elem="e2m1")
+    assert not backends.native_supports(qa, mx)  # NVFP4 x MX
+    monkeypatch.setattr(probes, "describe_device", lambda: GFX950)
+    assert not backends.native_supports(qa, qc)  # gfx950's block-scaled GEMMs take E8M0 scales only
 
 
 def test_the_resolved_execution_names_nvfp4_operands(monkeypatch):
@@ -429,9 +467,18 @@ def test_the_resolved_execution_names_nvfp4_operands(monkeypatch):
     _, native = resolve_execution("nvfp4_nvidia", backend="native")
     _, emulate = resolve_execution("nvfp4_full", backend="emulate")
     assert fp8.backend_reason.endswith("; GEMMs with NVFP4 operands run as in emulate (no exact fold)")
-    only_mx = "; GEMMs with NVFP4 operands run as in emulate (native takes MX operands only)"
-    assert native.backend_reason.endswith(only_mx)
+    assert "run as in emulate" not in native.backend_reason  # every GEMM is NVFP4 x NVFP4
     assert "run as in emulate" not in emulate.backend_reason
+    mixed = dataclasses.replace(
+        PRESETS["nvfp4_full"], fprop=dataclasses.replace(PRESETS["nvfp4_full"].fprop, rhs=QuantSpec())
+    )
+    _, native_mixed = resolve_execution(mixed, backend="native")
+    only_pairs = "; GEMMs with NVFP4 operands run as in emulate (native multiplies NVFP4 by NVFP4 only)"
+    assert native_mixed.backend_reason.endswith(only_pairs)
+    monkeypatch.setattr(probes, "describe_device", lambda: GFX950)
+    _, native_amd = resolve_execution("nvfp4_nvidia", backend="native")
+    only_nvidia = "run as in emulate (native multiplies NVFP4 on NVIDIA GPUs only)"
+    assert native_amd.backend_reason.endswith("; GEMMs with NVFP4 operands " + only_nvidia)
 
 
 def test_gemm_error_statistics_of_nvfp4_operands():

@@ -62,15 +62,20 @@ def _unfolded(recipe: Recipe, backend: str) -> str:
     """Which operands the resolved back end multiplies as emulate, as a clause for the reason; else nothing.
 
     fp8: the block-scaled operands it does not fold exactly into E4M3 (backends.fp8_unfolded: MX other
-    than E2M1 and E2M3, i.e. E3M2 and MXFP8's E4M3/E5M2, and NVFP4). native: NVFP4 operands
-    (jax.lax.scaled_dot is used for MX operands only, backends.native_supports).
+    than E2M1 and E2M3, i.e. E3M2 and MXFP8's E4M3/E5M2, and NVFP4). native: NVFP4 operands of GEMMs
+    whose other operand is not NVFP4, and every NVFP4 operand off NVIDIA GPUs (and the CPU): scaled_dot
+    multiplies MX x MX and NVFP4 x NVFP4 (backends.native_supports). Shapes it does not take are not named.
     """
     if backend == "fp8":
         unfolded = backends.fp8_unfolded(recipe)
         why = "no exact fold"
-    elif backend == "native":
+    elif backend == "native" and probes.describe_device().vendor not in backends.NVFP4_NATIVE_VENDORS:
         unfolded = tuple(s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "nvfp4")
-        why = "native takes MX operands only"
+        why = "native multiplies NVFP4 on NVIDIA GPUs only"
+    elif backend == "native":
+        mixed = [g for g in recipe.gemms if (g.lhs.kind == "nvfp4") != (g.rhs.kind == "nvfp4")]
+        unfolded = tuple(s for g in mixed for s in (g.lhs, g.rhs) if s.kind == "nvfp4")
+        why = "native multiplies NVFP4 by NVFP4 only"
     else:
         return ""
     if not unfolded:

@@ -9,7 +9,10 @@ Every back end computes out[b, m, n] = sum_k a[b, m, k] * c[b, n, k] in float32 
   everywhere.
 - `native`: MX x MX GEMMs through `jax.lax.scaled_dot` (float4_e2m1fn / float8 data, float8_e8m0fnu
   scales), which XLA lowers to hipBLASLt block-scaled GEMMs on MI355X (gfx950) and cuDNN on Blackwell,
-  for the shapes `native_supports` accepts; other GEMMs and shapes run as in `emulate`.
+  for the shapes `native_supports` accepts; NVFP4 x NVFP4 GEMMs too (float8_e4m3fn scales per 16, the
+  per-tensor scales applied to the result as emulate applies them) on NVIDIA GPUs, whose block-scaled
+  GEMMs take E4M3 scales (gfx950's take E8M0 only), and on the CPU; other GEMMs and shapes run as in
+  `emulate`.
 - `fp8`: E2M1 (MXFP4) and E2M3 (MXFP6) MX operands folded exactly into E4M3 with one exponent per row
   (fold.py), one plain FP8 dot_general with float32 accumulation (cuBLASLt FP8 on Hopper, hipBLASLt FP8
   on MI300 with the FNUZ types), the row exponents applied to its result. Also MX x FP8Array. MX
@@ -201,27 +204,56 @@ def _emulate(a, c, precision, out_dtype=jnp.float32) -> jax.Array:
 # native
 
 
-def native_supports(a, c) -> bool:
-    """True when an MX x MX GEMM (b, m, k) x (b, n, k) fits the shapes and types above; others fall back
-    to `emulate` (same numbers, dequantized operands)."""
-    if not (isinstance(a, MXArray) and isinstance(c, MXArray)):
-        return False
-    types = {jnp.dtype(t) for t in NATIVE_ELEMENT_TYPES}
+# Where `native` multiplies NVFP4 x NVFP4 through scaled_dot: NVIDIA's block-scaled GEMMs take E4M3 scales
+# per 16 (Blackwell); gfx950's take E8M0 only, where XLA would expand the dot instead. The CPU expands it
+# too, exactly, which is how the tests check this path.
+NVFP4_NATIVE_VENDORS = ("nvidia", "cpu")
+
+
+def _native_shape_fits(a, c) -> bool:
     (batch, m, k), (_, n, _) = a.shape, c.shape
     return (
-        jnp.dtype(a.data.dtype) in types
-        and jnp.dtype(c.data.dtype) in types
-        and a.block_size == c.block_size == NATIVE_BLOCK_SIZE
-        and a.axis == c.axis == 2
-        and batch == 1
+        batch == 1
         and m % NATIVE_MN_MULTIPLE == 0
         and n % NATIVE_MN_MULTIPLE == 0
         and k % NATIVE_K_MULTIPLE == 0
     )
 
 
-def _native(a: MXArray, c: MXArray) -> jax.Array:
+def native_supports(a, c) -> bool:
+    """True when an MX x MX or NVFP4 x NVFP4 GEMM (b, m, k) x (b, n, k) fits the shapes and types above;
+    others fall back to `emulate` (same numbers, dequantized operands)."""
+    if isinstance(a, nvfp4.NVFP4Array) and isinstance(c, nvfp4.NVFP4Array):
+        return (
+            probes.describe_device().vendor in NVFP4_NATIVE_VENDORS
+            and a.block_size == c.block_size == nvfp4.NVFP4_BLOCK_SIZE
+            and all(x.block_2d or x.axis == 2 for x in (a, c))
+            and _native_shape_fits(a, c)
+            and probes.nvfp4_scaled_dot_compiles()
+        )
+    if not (isinstance(a, MXArray) and isinstance(c, MXArray)):
+        return False
+    types = {jnp.dtype(t) for t in NATIVE_ELEMENT_TYPES}
+    return (
+        jnp.dtype(a.data.dtype) in types
+        and jnp.dtype(c.data.dtype) in types
+        and a.block_size == c.block_size == NATIVE_BLOCK_SIZE
+        and a.axis == c.axis == 2
+        and _native_shape_fits(a, c)
+    )
+
+
+def _native(a, c) -> jax.Array:
+    if isinstance(a, nvfp4.NVFP4Array):
+        # emulate's numbers: float32(sum of q s_b products, each exact) times one float32 alpha.
+        out = probes.scaled_dot(a.data, c.data, _nvfp4_row_scales(a), _nvfp4_row_scales(c))
+        return out * nvfp4.flush_subnormal(a.decode_scale() * c.decode_scale())
     return probes.scaled_dot(a.data, c.data, a.scale, c.scale)
+
+
+def _nvfp4_row_scales(x: nvfp4.NVFP4Array) -> jax.Array:
+    """(b, rows, k / 16) E4M3 scales as scaled_dot takes them: a 2D tile's scale repeated over its rows."""
+    return jnp.repeat(x.scale, x.block_size, axis=-2) if x.block_2d else x.scale
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ __all__ = [
     "epilogue_scaling_is_exact",
     "fold_dtype",
     "has_scaled_dot",
+    "nvfp4_scaled_dot_compiles",
     "on_nvidia_gpu",
     "platform_of",
     "run_probes",
@@ -151,6 +152,24 @@ def scaled_dot_compile_error() -> str | None:
             )
         return error
     return None
+
+
+@functools.cache
+def nvfp4_scaled_dot_compiles() -> bool:
+    """Run-time check, once per process: whether XLA compiles a small NVFP4 `jax.lax.scaled_dot` (E2M1 data,
+    float8_e4m3fn scales per 16) for the default device; the native back end multiplies NVFP4 x NVFP4
+    through it only then (an XLA without E4M3 block scales keeps NVFP4 on emulate's path)."""
+    if scaled_dot_compile_error() is not None:
+        return False
+    data = jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE), jnp.float4_e2m1fn)
+    blocks = NATIVE_K_MULTIPLE // 16  # NVFP4's blocks of 16
+    scale = jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, blocks), jnp.float8_e4m3fn)
+    try:
+        jax.jit(scaled_dot).lower(data, data, scale, scale).compile()
+    except Exception:  # noqa: BLE001 - any failure means: not here
+        logger.info("fp4jax: XLA cannot compile an NVFP4 scaled_dot here: native NVFP4 GEMMs run as emulate")
+        return False
+    return True
 
 
 def choose_backend(desc: DeviceDescription, *, scaled_dot: bool | None = None) -> BackendChoice:
