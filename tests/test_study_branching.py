@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 
@@ -57,6 +58,9 @@ else:
 b = args["recipe"] == "mxfp4_full"
 evals = [[s, s, 1000 * s, 5 - math.log(1000 * s) / 10 + (0.01 + 0.003 * seed if b else 0)]
          for s in range(first + 1, steps + 1)]
+with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for s in range(first + 1, steps + 1):
+        f.write(json.dumps({"step": s, "loss": 9 - s / 7 - seed / 3, "grad_norm": 1 + s / 9}) + "\\n")
 with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump({"status": "not_reached", "steps": steps, "evals": evals}, f)
 """
@@ -142,10 +146,62 @@ def test_branches_wait_for_their_trunks_checkpoint(branch_plan, tmp_path):
         os.makedirs(step_dir)
         open(os.path.join(step_dir, "fp4jax_manifest.json"), "w").write("{}")
     lines = []
-    trunks, ready = branching.phases(specs, sroot, ["b"], lines.append)
-    assert [s.label for s in trunks] == ["trunk/seed0", "trunk/seed1"]
+    trunks, regenerations, ready = branching.phases(specs, sroot, ["b"], lines.append)
+    assert [s.label for s in trunks] == ["trunk/seed0", "trunk/seed1"] and regenerations == []
     assert [s.label for s in ready] == ["b/at2/seed0", "b/at2/seed1"]
     assert lines == [f"study: b/at4/seed{k} waits: its trunk has no checkpoint at step 4 yet" for k in (0, 1)]
+
+
+def _lose_checkpoints_and_late_branches(root):
+    """What a fresh machine sees of a committed stage: no trunk checkpoints; here the late b branches are
+    also not done yet."""
+    sroot = os.path.join(root, "branches")
+    for seed in (0, 1):
+        shutil.rmtree(os.path.join(sroot, "trunk", f"seed{seed}", "checkpoints"))
+        shutil.rmtree(os.path.join(sroot, "b", "at4", f"seed{seed}"))
+    return sroot
+
+
+def test_a_finished_trunk_without_its_checkpoints_is_trained_again_and_branched_from(branch_plan, tmp_path):
+    root = str(tmp_path / "runs")
+    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    sroot = _lose_checkpoints_and_late_branches(root)
+    lines = []
+    done = plan.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
+    started = [line.split("start branches/")[1] for line in lines if "start branches/" in line]
+    assert started == ["trunk/seed0/regenerated", "trunk/seed1/regenerated", "b/at4/seed0", "b/at4/seed1"]
+    assert sorted(done) == sorted(started)
+    regen = _command(root, "trunk/seed1/regenerated")
+    assert regen[regen.index("--workdir") + 1] == os.path.join(sroot, "trunk", "seed1", "regenerated")
+    assert regen[-1] == "--config.steps=4" and "--config.keep_checkpoint_steps=(2,4,)" in regen
+    branch = _command(root, "b/at4/seed1")
+    assert branch[-2:] == [f"--config.init_from={sroot}/trunk/seed1/regenerated", "--config.init_from_step=4"]
+    with open(os.path.join(sroot, "trunk", "seed1", "regenerated", "identity.json")) as f:
+        assert json.load(f)["4"]["first_difference"] is None
+    # The copy is scratch (the analysis reads the branches), and a third call runs nothing.
+    late = branching.analyze(sroot, branch_plan.stages[0])["points"][1]
+    assert late["at"] == 4 and not late["missing"]
+    again = []
+    assert plan.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}
+
+
+def test_a_trunk_that_does_not_repeat_leaves_its_branches_waiting(branch_plan, tmp_path):
+    root = str(tmp_path / "runs")
+    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    sroot = _lose_checkpoints_and_late_branches(root)
+    metrics = os.path.join(sroot, "trunk", "seed0", "metrics.jsonl")
+    with open(metrics) as f:
+        records = [json.loads(line) for line in f]
+    records[2]["grad_norm"] += 1e-7  # the committed trunk's update 3 is not what the copy computes
+    with open(metrics, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    lines = []
+    done = plan.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
+    assert sorted(done) == ["b/at4/seed1", "trunk/seed0/regenerated", "trunk/seed1/regenerated"]
+    assert any("trunk/seed0/regenerated differs from its trunk from step 3" in line for line in lines)
+    assert "study: b/at4/seed0 waits: its trunk has no checkpoint at step 4 yet" in lines
+    again = []
+    assert plan.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}  # not retried
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,14 @@ histories where they fit). Every run of a stage has the stage's warm-up, peak LR
 a branch sees the trunk's next batches and its schedule. A branch starts only once its trunk has saved the
 checkpoint it starts from; the never-rerun and budget rules are the scratch runs' (plan.run_plan).
 
+Checkpoints do not travel with the committed runs (a trunk's is gigabytes), so a finished trunk whose
+checkpoint a pending branch needs is trained again into trunk/seed<k>/regenerated/ (a scratch directory,
+replaced whenever it lacks the checkpoint; the report never reads it) up to that branch step, and its
+branches start from there only if it repeated the trunk exactly: every training loss and gradient norm
+the trunk logged up to the branch step, bit for bit (regenerated/identity.json). Deterministic trunks
+(xla_gpu_deterministic_ops, the same process set-up) repeat; a trunk that did not leaves its branches
+waiting, with the first step that differs in the log.
+
 Analysis (`analyze`): per branch step s and eval tokens T shared by the branches from s, each arm's eval
 loss minus the baseline arm's branch from the same trunk (seed) and step, per seed and as the paired
 model's contrast (stats.fit_additive over arms x trunks, residual variance pooled over arms).
@@ -23,8 +31,10 @@ model's contrast (stats.fit_additive over arms x trunks, residual variance poole
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import shutil
 import statistics
 
 from fp4jax.study import runner, runs, stats
@@ -32,8 +42,10 @@ from fp4jax.training import integrity
 
 __all__ = [
     "KEYS",
+    "REGENERATED",
     "TRUNK",
     "BranchRun",
+    "TrunkRegeneration",
     "analyze",
     "default_minutes",
     "normalize",
@@ -45,19 +57,41 @@ __all__ = [
 
 KEYS = {"trunk_arm", "branch_steps", "branch_length"}
 TRUNK = "trunk"  # the trunks' directory under the stage root, so no arm may take the name
+REGENERATED = "regenerated"  # a trunk trained again for its checkpoints, inside the trunk's directory
+# What a regenerated trunk must repeat bit for bit, per training update the trunk logged.
+REPEATED_KEYS = ("loss", "grad_norm")
+
+
+def trunk_dir(sroot: str, seed: int) -> str:
+    return os.path.join(sroot, TRUNK, f"seed{seed}")
 
 
 @dataclasses.dataclass(frozen=True)
 class BranchRun(runner.RunSpec):
-    """A run branched at trunk step `at` from the trunk of its seed (<stage root>/trunk/seed<k>)."""
+    """A run branched at trunk step `at` from the trunk of its seed (<stage root>/trunk/seed<k>, or its
+    regenerated copy when only that holds the checkpoint: start_point)."""
 
     at: int = 0
 
     def argv(self, root: str, overrides: list[str]) -> list[str]:
         """The trainer's command line, then where it branches from (the last of a key wins)."""
-        trunk = os.path.join(root, TRUNK, f"seed{self.seed}")
-        branch = [f"--config.init_from={trunk}", f"--config.init_from_step={self.at}"]
+        source = start_point(self, root) or trunk_dir(root, self.seed)
+        branch = [f"--config.init_from={source}", f"--config.init_from_step={self.at}"]
         return [*super().argv(root, overrides), *branch]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrunkRegeneration(runner.RunSpec):
+    """A finished trunk trained again up to step `upto` into trunk/seed<k>/regenerated (module docstring)."""
+
+    upto: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{TRUNK}/seed{self.seed}/{REGENERATED}"
+
+    def config_args(self, overrides: list[str]) -> list[str]:
+        return [*super().config_args(overrides), _set("steps", self.upto)]
 
 
 def normalize(raw: dict, where: str) -> dict:
@@ -109,6 +143,8 @@ def span(spec: runner.RunSpec, stage) -> tuple[int, int]:
     steps."""
     if isinstance(spec, BranchRun):
         return spec.at, spec.at + stage.branch_length
+    if isinstance(spec, TrunkRegeneration):
+        return 0, spec.upto
     return 0, stage.steps
 
 
@@ -123,26 +159,104 @@ def _arm(spec: runner.RunSpec) -> str:
     return spec.rung.name.split("/")[0]
 
 
-def _trunk_ready(spec: BranchRun, sroot: str) -> bool:
-    """The trunk's checkpoint at the branch step is saved and its manifest written (so it is complete)."""
-    step_dir = os.path.join(sroot, TRUNK, f"seed{spec.seed}", "checkpoints", str(spec.at))
+def _has_checkpoint(run_dir: str, step: int) -> bool:
+    """The run's checkpoint at `step` is saved and its manifest written (so it is complete)."""
+    step_dir = os.path.join(run_dir, "checkpoints", str(step))
     return os.path.isdir(step_dir) and integrity.has_manifest(step_dir)
 
 
+def _repeats(trunk: str, copy: str, upto: int) -> int | None:
+    """None when `copy` logged every training update of `trunk` up to `upto` with the same REPEATED_KEYS,
+    bit for bit; else the first step that differs (or is missing)."""
+
+    def updates(run_dir):
+        records = runs.read_records(run_dir)
+        return {r["step"]: tuple(r.get(k) for k in REPEATED_KEYS) for r in records if "loss" in r}
+
+    want, got = updates(trunk), updates(copy)
+    steps = sorted(s for s in want if s <= upto)
+    if not steps or steps[-1] < upto:
+        return steps[-1] + 1 if steps else 1  # the trunk's own log does not reach the branch step
+    return next((s for s in steps if got.get(s) != want[s]), None)
+
+
+def start_point(spec: BranchRun, sroot: str) -> str | None:
+    """Where a branch starts: its trunk's directory if it holds the checkpoint, else the regenerated copy's
+    if that holds it and repeated the trunk (identity.json), else None."""
+    trunk = trunk_dir(sroot, spec.seed)
+    if _has_checkpoint(trunk, spec.at):
+        return trunk
+    copy = os.path.join(trunk, REGENERATED)
+    identity = runs.read_json(os.path.join(copy, "identity.json")) or {}
+    if _has_checkpoint(copy, spec.at) and identity.get(str(spec.at), {}).get("first_difference", 0) is None:
+        return copy
+    return None
+
+
+def _check_regenerated(trunk: str, at: int, log) -> None:
+    """Records in regenerated/identity.json whether the copy repeated the trunk up to `at`."""
+    copy = os.path.join(trunk, REGENERATED)
+    path = os.path.join(copy, "identity.json")
+    identity = runs.read_json(path) or {}
+    if str(at) in identity or not _has_checkpoint(copy, at):
+        return
+    first = _repeats(trunk, copy, at)
+    identity[str(at)] = {"first_difference": first, "compared": list(REPEATED_KEYS)}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(identity, f, indent=1)
+    if first is not None:
+        log(
+            f"study: {os.path.relpath(copy)} differs from its trunk from step {first}: its branches from "
+            f"step {at} wait (run the trunk's set-up exactly: the same flags, XLA_FLAGS and GPU sharing)"
+        )
+
+
+def _regenerations(trunks, pending: list[BranchRun], sroot: str) -> list[TrunkRegeneration]:
+    """A regeneration per finished trunk whose checkpoint some pending branch needs and neither the trunk
+    nor its copy holds (a copy that holds it but did not repeat the trunk is not tried again); a copy
+    lacking it is removed first (it is scratch)."""
+    out = []
+    for trunk in trunks:
+        tdir = trunk_dir(sroot, trunk.seed)
+        copy = os.path.join(tdir, REGENERATED)
+        needed = [
+            b.at
+            for b in pending
+            if b.seed == trunk.seed and start_point(b, sroot) is None and not _has_checkpoint(copy, b.at)
+        ]
+        if not needed or runs.status_of(runs.read_json(runs.summary_path(tdir))) not in runs.FINISHED:
+            continue  # an unfinished trunk runs in the first phase; a failed or diverged one has no branches
+        if os.path.isdir(copy):
+            shutil.rmtree(copy)
+        out.append(TrunkRegeneration(trunk.rung, trunk.seed, trunk.lr, upto=max(needed)))
+    return out
+
+
 def phases(specs: list[runner.RunSpec], sroot: str, arms: list[str] | None, log):
-    """The stage's runs in two phases, yielded in turn (the second is chosen after the first has run):
-    the trunks (always: every branch needs one), then the branches of the named arms (all when None)
-    whose trunk checkpoint exists; the others are logged as waiting."""
-    yield [s for s in specs if not isinstance(s, BranchRun)]
+    """The stage's runs in three phases, yielded in turn (each chosen after the one before has run): the
+    trunks (always: every branch needs one), the regenerations of finished trunks whose checkpoints are
+    gone, then the branches of the named arms (all when None) that have a start point; the others are
+    logged as waiting."""
+    trunks = [s for s in specs if not isinstance(s, BranchRun)]
+    yield trunks
+    chosen = [s for s in specs if isinstance(s, BranchRun) and not (arms and _arm(s) not in arms)]
+    pending = [s for s in chosen if not runs.is_finished(s.directory(sroot))]
+    _check_copies(trunks, pending, sroot, log)
+    yield _regenerations(trunks, pending, sroot)
+    _check_copies(trunks, pending, sroot, log)
     ready = []
-    for spec in specs:
-        if not isinstance(spec, BranchRun) or (arms and _arm(spec) not in arms):
-            continue
-        if _trunk_ready(spec, sroot) or runs.is_finished(spec.directory(sroot)):
+    for spec in chosen:
+        if spec not in pending or start_point(spec, sroot) is not None:
             ready.append(spec)
         else:
             log(f"study: {spec.label} waits: its trunk has no checkpoint at step {spec.at} yet")
     yield ready
+
+
+def _check_copies(trunks, pending: list[BranchRun], sroot: str, log) -> None:
+    for at in sorted({b.at for b in pending}):
+        for trunk in trunks:
+            _check_regenerated(trunk_dir(sroot, trunk.seed), at, log)
 
 
 # ------------------------------------------------------------------------------------------ analysis
