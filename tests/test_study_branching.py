@@ -204,6 +204,17 @@ def test_a_trunk_that_does_not_repeat_leaves_its_branches_waiting(branch_plan, t
     assert plan.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}  # not retried
 
 
+def test_a_call_for_one_seed_trains_only_that_trunk_again(branch_plan, tmp_path):
+    root = str(tmp_path / "runs")
+    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    sroot = _lose_checkpoints_and_late_branches(root)
+    done = plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[1], log=lambda line: None)
+    assert sorted(done) == ["b/at4/seed1", "trunk/seed1/regenerated"]
+    assert not os.path.exists(os.path.join(sroot, "trunk", "seed0", "regenerated"))
+    with pytest.raises(ValueError, match="--seed 7: not a seed of these stages; use 0, 1"):
+        plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[7], log=lambda line: None)
+
+
 @pytest.mark.parametrize(
     "edit,message",
     [

@@ -43,6 +43,7 @@ def cmd_run(args) -> None:
         gpus=args.gpus.split(",") if args.gpus else None,
         stages=args.stage or None,
         arms=args.arm or None,
+        seeds=args.seed or None,
         overrides=overrides,
         log=lambda line: print(line, flush=True),
     )
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--gpus", default=None, help="GPU ids, one per parallel slot (0,0: two on GPU 0)")
     run_p.add_argument("--stage", action="append", default=[], help="only this stage (repeatable)")
     run_p.add_argument("--arm", action="append", default=[], help="only this arm now (repeatable)")
+    run_p.add_argument(
+        "--seed", action="append", type=int, default=[], help="only this seed (trunk) now (repeatable)"
+    )
     run_p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     rep_p = sub.add_parser("report", help="tables, plots and the gate from the runs", allow_abbrev=False)
     rep_p.add_argument("--out", default=None, help="directory for <stage>.md/.json/.png and gates")

@@ -281,6 +281,14 @@ def _check_arms(arms: list[str] | None, stages: list[Stage]) -> None:
         raise ValueError(f"--arm {', '.join(unknown)}: not an arm of these stages; use {names}")
 
 
+def _check_seeds(seeds: list[int] | None, stages: list[Stage]) -> None:
+    known = {seed for stage in stages for seed in stage.seeds}
+    unknown = sorted(set(seeds or ()) - known)
+    if unknown:
+        names = ", ".join(str(s) for s in sorted(known))
+        raise ValueError(f"--seed {', '.join(map(str, unknown))}: not a seed of these stages; use {names}")
+
+
 def stage_root(root: str, stage: Stage) -> str:
     return os.path.join(root, stage.name)
 
@@ -370,6 +378,7 @@ def run_plan(
     gpus: list[str] | None = None,
     stages: list[str] | None = None,
     arms: list[str] | None = None,
+    seeds: list[int] | None = None,
     overrides: list[str] = (),
     log=print,
     clock=time.monotonic,
@@ -377,11 +386,14 @@ def run_plan(
     """Runs what is not done of the plan's stages (all, or those named) within the budget; returns
     {label: summary} of the runs that ended in this call (see the module docstring for the rules).
     `arms` (names of some stages' arms) runs only those arms now, e.g. the cheap ones first; the
-    report and the gates still read every arm the plan lists."""
+    report and the gates still read every arm the plan lists. `seeds` likewise runs only those seeds
+    (in a branch stage: those trunks and their branches, so that a call on a fresh machine trains one
+    trunk again, not all of them)."""
     if budget_minutes <= 0:
         raise ValueError(f"--budget-minutes {budget_minutes:g} must be > 0")
     chosen = [plan.stage(name) for name in stages] if stages else list(plan.stages)
     _check_arms(arms, chosen)
+    _check_seeds(seeds, chosen)
     deadline = clock() + budget_minutes * 60
     kind = runner.accelerator_kind()
     slots = runner._slots(parallel, gpus, 1, kind)
@@ -392,7 +404,7 @@ def run_plan(
             log(f"study: stage {stage.name} waits: {reason}")
             continue
         sroot = stage_root(root, stage)
-        for specs in _phases(stage, sroot, arms, log):
+        for specs in _phases(stage, sroot, arms, seeds, log):
             infos = runner.config_infos(specs, list(overrides))
             todo = []
             for spec in specs:
@@ -411,12 +423,14 @@ def run_plan(
     return done
 
 
-def _phases(stage: Stage, sroot: str, arms, log):
-    """The stage's runs in the order they may run: one phase (scratch), or the trunks then the branches
-    whose trunk checkpoint exists (branch design, chosen after the trunks ran)."""
+def _phases(stage: Stage, sroot: str, arms, seeds, log):
+    """The stage's runs of the chosen seeds in the order they may run: one phase (scratch), or the trunks,
+    their regenerations and the branches that have a start point (branch design, each phase chosen after
+    the one before ran)."""
+    specs = [spec for spec in stage_specs(stage) if not seeds or spec.seed in seeds]
     if stage.design == "branch":
-        return branching.phases(stage_specs(stage), sroot, arms, log)
-    return [[spec for spec in stage_specs(stage) if not arms or spec.rung.name in arms]]
+        return branching.phases(specs, sroot, arms, log)
+    return [[spec for spec in specs if not arms or spec.rung.name in arms]]
 
 
 def _run_stage(todo, infos, slots, kind, deadline, overrides, log, clock) -> dict[str, dict]:
