@@ -118,7 +118,8 @@ def normalize(raw: dict, where: str) -> dict:
 
 
 def stage_specs(stage, common: list[str]) -> list[runner.RunSpec]:
-    """The trunks (seed-major), then per branch step (early first) every arm's branch, seed-major."""
+    """The trunks, then per seed, per arm, its branches (early first): an arm's branches follow each other,
+    so a call compiles its step once for both (the compiled program does not depend on the branch step)."""
     keep = ",".join(str(s) for s in stage.branch_steps)
     trunk = runner.Rung(
         TRUNK,
@@ -126,9 +127,9 @@ def stage_specs(stage, common: list[str]) -> list[runner.RunSpec]:
         (*common, _set("recipe", stage.arms[stage.trunk_arm]), _set("keep_checkpoint_steps", f"({keep},)")),
     )
     specs: list[runner.RunSpec] = runner.plan([trunk], list(stage.seeds), None)
-    for at in stage.branch_steps:
-        for seed in stage.seeds:
-            for arm, recipe in stage.arms.items():
+    for seed in stage.seeds:
+        for arm, recipe in stage.arms.items():
+            for at in stage.branch_steps:
                 overrides = (*common, _set("recipe", recipe), _set("steps", at + stage.branch_length))
                 specs.append(BranchRun(runner.Rung(f"{arm}/at{at}", stage.config, overrides), seed, at=at))
     return specs
