@@ -288,7 +288,7 @@ def pallas_causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
     if seq_len % block:
         raise ValueError(
             f"model.attention=pallas needs a sequence length that is a multiple of {block}, got {seq_len}; "
-            "change data.seq_len or use model.attention=xla"
+            "set --config.seq_len to one, or --config.model.attention=xla"
         )
     k_BSNH = jnp.repeat(k_BSKH, n_heads // n_kv, axis=2)
     v_BSNH = jnp.repeat(v_BSKH, n_heads // n_kv, axis=2)
