@@ -372,6 +372,14 @@ def test_deterministic_runs_take_a_repeatable_attention_unless_told_otherwise(
     assert setup.resolve_config(config).model.attention == expected
 
 
+def test_pallas_attention_on_a_sequence_its_blocks_do_not_tile_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    config = tiny_config("unused")
+    config.model.attention, config.seq_len = "pallas", 200
+    with pytest.raises(setup.ConfigError, match="seq_len is 200: set --config.seq_len to a multiple of 128"):
+        setup.resolve_config(config)
+
+
 def test_info_lines_come_from_process_zero_and_warnings_from_every_process(monkeypatch, capsys):
     """fp4jax.logs' rule (conftest configures it as the command lines do)."""
     import logging

@@ -65,6 +65,7 @@ __all__ = [
     "apply_rope",
     "attention_implementation",
     "deterministic_attention",
+    "pallas_attention_fits",
     "block_segments",
     "causal_attention",
     "flops_per_token",
@@ -255,8 +256,12 @@ def deterministic_attention(seq_len: int) -> str:
     the Pallas kernel, whose updates repeated bit for bit across processes (docs/training.md,
     Repeatability). Call it after the flag is set: it asks jax for the devices.
     """
-    fits = seq_len <= PALLAS_ATTENTION_BLOCK or seq_len % PALLAS_ATTENTION_BLOCK == 0
-    return "pallas" if fits and _on_nvidia_gpu() else "xla"
+    return "pallas" if pallas_attention_fits(seq_len) and _on_nvidia_gpu() else "xla"
+
+
+def pallas_attention_fits(seq_len: int) -> bool:
+    """Whether the Pallas attention's blocks tile the sequence (one block if it is shorter than one)."""
+    return seq_len <= PALLAS_ATTENTION_BLOCK or seq_len % PALLAS_ATTENTION_BLOCK == 0
 
 
 def causal_attention(
@@ -285,7 +290,7 @@ def pallas_causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Ar
 
     seq_len, n_heads, n_kv = q_BTNH.shape[1], q_BTNH.shape[2], k_BSKH.shape[2]
     block = min(PALLAS_ATTENTION_BLOCK, seq_len)
-    if seq_len % block:
+    if not pallas_attention_fits(seq_len):
         raise ValueError(
             f"model.attention=pallas needs a sequence length that is a multiple of {block}, got {seq_len}; "
             "set --config.seq_len to one, or --config.model.attention=xla"
