@@ -215,6 +215,21 @@ def test_a_call_for_one_seed_trains_only_that_trunk_again(branch_plan, tmp_path)
         plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[7], log=lambda line: None)
 
 
+def test_progress_counts_what_is_left_and_the_report_writes_it(branch_plan, tmp_path):
+    root = str(tmp_path / "runs")
+    (before,) = plan.progress(branch_plan, root)
+    assert (before["runs"], before["finished"], before["left"], before["waits_for"]) == (10, 0, 10, None)
+    # run_minutes 0.01 a branch of 3 updates; a trunk of 4 updates counts 4 / 3 of it.
+    assert before["gpu_minutes_left"] == round(8 * 0.01 + 2 * 0.01 * 4 / 3, 1)
+    plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[0], log=lambda line: None)
+    (half,) = plan.progress(branch_plan, root)
+    assert (half["finished"], half["left"], half["diverged_or_failed"]) == (5, 5, 0)
+    out = tmp_path / "report"
+    assert study_cli.main(["report", "--plan", branch_plan.path, "--root", root, "--out", str(out)]) == 0
+    assert "| branches | branch | 10 | 5 | 0 | 5 |" in (out / "progress.md").read_text()
+    assert json.loads((out / "progress.json").read_text())["stages"][0]["left"] == 5
+
+
 @pytest.mark.parametrize(
     "edit,message",
     [

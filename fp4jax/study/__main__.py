@@ -78,6 +78,16 @@ def cmd_report(args) -> None:
                 print(f"wrote {path}")
     write_lr_series(the_plan, args.root, args.out)
     write_claims(the_plan, args.root, args.out)
+    write_progress(the_plan, args.root, args.out)
+
+
+def write_progress(the_plan, root: str, out: str | None) -> None:
+    """Where the plan stands, stage by stage (plan.progress): progress.md and .json."""
+    rows = plan.progress(the_plan, root)
+    text = plan.progress_markdown(rows)
+    print(text)
+    if out:
+        _write_md_json(os.path.join(out, "progress"), text, {"stages": rows})
 
 
 def write_lr_series(the_plan, root: str, out: str | None) -> None:

@@ -336,6 +336,45 @@ def expected_minutes(spec: runner.RunSpec, directory: str, stage: Stage, measure
     return full * left + (RESUME_OVERHEAD_MINUTES if done else 0.0)
 
 
+def progress(plan: Plan, root: str) -> list[dict]:
+    """Per stage, where the plan stands: runs in all, finished (and of those diverged or failed), left, the
+    estimated GPU-minutes left for one run at a time (expected_minutes: measured alone where runs were,
+    else the plan's run_minutes; a branch stage's trunks counted as unfinished runs, not their
+    regenerations), and what it waits for (blocked_by)."""
+    rows = []
+    for stage in plan.stages:
+        sroot = stage_root(root, stage)
+        measured = measured_minutes(root, stage, 1)
+        specs = stage_specs(stage)
+        statuses = [runs.status_of(runs.read_json(runs.summary_path(s.directory(sroot)))) for s in specs]
+        left = [s for s, status in zip(specs, statuses, strict=True) if status not in runs.FINAL_STATUSES]
+        rows.append(
+            {
+                "stage": stage.name,
+                "design": stage.design,
+                "runs": len(specs),
+                "finished": len(specs) - len(left),
+                "diverged_or_failed": sum(status in ("diverged", "failed") for status in statuses),
+                "left": len(left),
+                "gpu_minutes_left": round(
+                    sum(expected_minutes(s, s.directory(sroot), stage, measured) for s in left), 1
+                ),
+                "waits_for": blocked_by(plan, root, stage) if left else None,
+            }
+        )
+    return rows
+
+
+def progress_markdown(rows: list[dict]) -> str:
+    head = "stage | design | runs | finished | diverged or failed | left | GPU-min left (est.) | waits for"
+    lines = [f"| {head} |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        cells = [r["stage"], r["design"], r["runs"], r["finished"], r["diverged_or_failed"], r["left"]]
+        cells += [f"{r['gpu_minutes_left']:g}" if r["left"] else "-", r["waits_for"] or "-"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def steps_done(directory: str) -> int:
     """The steps of a run's newest checkpoint (0 when it has none)."""
     ckpts = os.path.join(directory, "checkpoints")
