@@ -215,13 +215,15 @@ def test_a_call_for_one_seed_trains_only_that_trunk_again(branch_plan, tmp_path)
         plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[7], log=lambda line: None)
 
 
-def test_progress_counts_what_is_left_and_the_report_writes_it(branch_plan, tmp_path):
+def test_progress_counts_what_is_left_and_the_report_writes_it(branch_plan, tmp_path, capsys):
     root = str(tmp_path / "runs")
     (before,) = plan.progress(branch_plan, root)
     assert (before["runs"], before["finished"], before["left"], before["waits_for"]) == (10, 0, 10, None)
     # run_minutes 0.01 a branch of 3 updates; a trunk of 4 updates counts 4 / 3 of it.
     assert before["gpu_minutes_left"] == round(8 * 0.01 + 2 * 0.01 * 4 / 3, 1)
-    plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[0], log=lambda line: None)
+    run = ["run", "--plan", branch_plan.path, "--root", root, "--budget-minutes", "5", "--seed", "0"]
+    assert study_cli.main(run) == 0
+    assert "| branches | branch | 10 | 5 | 0 | 5 |" in capsys.readouterr().out  # a call ends with it
     (half,) = plan.progress(branch_plan, root)
     assert (half["finished"], half["left"], half["diverged_or_failed"]) == (5, 5, 0)
     out = tmp_path / "report"
