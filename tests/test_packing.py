@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax.ops import MXArray, PackedMXArray, pack_mx, quantize_mx
+from fp4jax.ops import MXArray, PackedMXArray, pack_mx, pack_nvfp4, quantize_mx, quantize_nvfp4
 from fp4jax.ops.formats import get_elem_format
 
 # (bits, exponent bits, mantissa bits, bias) of each packed format.
@@ -113,3 +113,25 @@ def test_formats_stored_at_their_own_width_are_refused():
     mx = quantize_mx(jnp.ones((2, 64)), elem="e4m3")
     with pytest.raises(ValueError, match="e4m3 is stored at its own width already"):
         pack_mx(mx)
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_nvfp4_packs_two_elements_a_byte_and_unpacks_bit_for_bit(block_2d):
+    """quantize_nvfp4's output (1D blocks and 2D tiles; zeros, an outlier, a non-finite block): the packed
+    bytes are the reference layout of the E2M1 codes, and unpacking gives the same data, scales and values."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    x[0] = 0.0
+    x[1, 3] = 1e5
+    x[20, 40] = np.nan
+    q = quantize_nvfp4(jnp.asarray(x), block_2d=block_2d)
+    packed = jax.jit(pack_nvfp4)(q)
+    values = np.asarray(q.data.astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(np.asarray(packed.codes), reference_pack(values, "e2m1"))
+    assert packed.nbytes == 32 * 64 // 2 + q.scale.size + 4
+    back = jax.jit(lambda p: p.unpack())(packed)
+    assert (back.axis, back.block_size, back.block_2d) == (q.axis, q.block_size, q.block_2d)
+    np.testing.assert_array_equal(_bytes(back.data), _bytes(q.data))
+    np.testing.assert_array_equal(np.asarray(back.scale).view(np.uint8), np.asarray(q.scale).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(back.global_scale), np.asarray(q.global_scale))
+    np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(q.dequantize()))

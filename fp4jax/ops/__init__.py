@@ -43,7 +43,7 @@ from fp4jax.ops.kernels.probes import (
 )
 from fp4jax.ops.kernels.tile_math import hadamard_rotate
 from fp4jax.ops.nvfp4 import NVFP4Array, nvfp4_global_scale, quantize_nvfp4
-from fp4jax.ops.packing import PACKED_BITS, PackedMXArray, pack_mx
+from fp4jax.ops.packing import PACKED_BITS, PackedMXArray, PackedNVFP4Array, pack_mx, pack_nvfp4
 from fp4jax.ops.quantize import (
     FP8Array,
     MXArray,
@@ -97,6 +97,7 @@ __all__ = [
     "NVFP4Array",
     "NnxQuantDotGeneral",
     "PackedMXArray",
+    "PackedNVFP4Array",
     "QuantDotGeneral",
     "QuantSpec",
     "Recipe",
@@ -129,6 +130,7 @@ __all__ = [
     "mx_dot_general",
     "operand_layouts",
     "pack_mx",
+    "pack_nvfp4",
     "pallas_supports",
     "quantize_fp8",
     "quantize_gemm_operands",
