@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from fp4jax import xla_flags
 from fp4jax.data import DataError, load_tokenizer
 from fp4jax.models.llama import (
+    PALLAS_ATTENTION_BLOCK,
     Llama,
     deterministic_attention,
     llama_config,
@@ -164,9 +165,11 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
         # cuDNN flash attention does not compile under the flag (jax 0.11.2): llama.deterministic_attention.
         config.model.attention = deterministic_attention(config.seq_len)
     if config.model.get("attention") == "pallas" and not pallas_attention_fits(config.seq_len):
+        block = PALLAS_ATTENTION_BLOCK
         raise ConfigError(
-            f"model.attention=pallas tiles the sequence in blocks of 128, but seq_len is {config.seq_len}: "
-            "set --config.seq_len to a multiple of 128 (or at most 128), or --config.model.attention=xla"
+            f"model.attention=pallas tiles the sequence in blocks of {block}, but seq_len is "
+            f"{config.seq_len}: set --config.seq_len to a multiple of {block} (or at most {block}), or "
+            "--config.model.attention=xla"
         )
     return config
 

@@ -134,23 +134,24 @@ def scaled_dot_compile_error() -> str | None:
     """
     if not has_scaled_dot():
         return f"jax {jax.__version__} has no jax.lax.scaled_dot"
-    blocks = NATIVE_K_MULTIPLE // NATIVE_BLOCK_SIZE
-    operands = [
-        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE), jnp.float4_e2m1fn),
-        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE), jnp.float4_e2m1fn),
-        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, blocks), jnp.float8_e8m0fnu),
-        jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, blocks), jnp.float8_e8m0fnu),
-    ]
+    error = _small_scaled_dot_error(jnp.float8_e8m0fnu, NATIVE_BLOCK_SIZE)
+    if error is not None and xla_flags.boolean(xla_flags.TRITON_GEMM) is False:
+        error += (
+            f" (XLA_FLAGS has {xla_flags.TRITON_GEMM}=false, and on an H200 XLA compiles scaled-dot only "
+            "through its Triton GEMMs: train with --config.xla_gpu_triton_gemm=True)"
+        )
+    return error
+
+
+def _small_scaled_dot_error(scale_dtype, block_size: int) -> str | None:
+    """None when XLA compiles a (1, 16, 128) x (1, 16, 128) E2M1 scaled_dot with `scale_dtype` scales per
+    `block_size` for the default device, else the first line of why not (from shapes alone)."""
+    data = jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE), jnp.float4_e2m1fn)
+    scale = jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE // block_size), scale_dtype)
     try:
-        jax.jit(scaled_dot).lower(*operands).compile()
-    except Exception as exc:  # noqa: BLE001 - whatever stops the compile stops every native GEMM too
-        error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if xla_flags.boolean(xla_flags.TRITON_GEMM) is False:
-            error += (
-                f" (XLA_FLAGS has {xla_flags.TRITON_GEMM}=false, and on an H200 XLA compiles scaled-dot only "
-                "through its Triton GEMMs: train with --config.xla_gpu_triton_gemm=True)"
-            )
-        return error
+        jax.jit(scaled_dot).lower(data, data, scale, scale).compile()
+    except Exception as exc:  # noqa: BLE001 - whatever stops the compile stops every such GEMM too
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return None
 
 
@@ -161,12 +162,7 @@ def nvfp4_scaled_dot_compiles() -> bool:
     through it only then (an XLA without E4M3 block scales keeps NVFP4 on emulate's path)."""
     if scaled_dot_compile_error() is not None:
         return False
-    data = jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, NATIVE_K_MULTIPLE), jnp.float4_e2m1fn)
-    blocks = NATIVE_K_MULTIPLE // 16  # NVFP4's blocks of 16
-    scale = jax.ShapeDtypeStruct((1, NATIVE_MN_MULTIPLE, blocks), jnp.float8_e4m3fn)
-    try:
-        jax.jit(scaled_dot).lower(data, data, scale, scale).compile()
-    except Exception:  # noqa: BLE001 - any failure means: not here
+    if _small_scaled_dot_error(jnp.float8_e4m3fn, 16) is not None:  # NVFP4's blocks of 16
         logger.info("fp4jax: XLA cannot compile an NVFP4 scaled_dot here: native NVFP4 GEMMs run as emulate")
         return False
     return True
