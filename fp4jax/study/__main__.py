@@ -47,7 +47,7 @@ def cmd_run(args) -> None:
         overrides=overrides,
         log=lambda line: print(line, flush=True),
     )
-    print(plan.progress_markdown(plan.progress(the_plan, args.root)), flush=True)  # what is left
+    write_progress(the_plan, args.root, None)  # what is left after this call
 
 
 def cmd_report(args) -> None:

@@ -31,7 +31,6 @@ model's contrast (stats.fit_additive over arms x trunks, residual variance poole
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -203,8 +202,7 @@ def _check_regenerated(trunk: str, at: int, log) -> None:
         return
     first = _repeats(trunk, copy, at)
     identity[str(at)] = {"first_difference": first, "compared": list(REPEATED_KEYS)}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(identity, f, indent=1)
+    runs.write_json(path, identity)
     if first is not None:
         log(
             f"study: {os.path.relpath(copy)} differs from its trunk from step {first}: its branches from "
@@ -225,7 +223,7 @@ def _regenerations(trunks, pending: list[BranchRun], sroot: str) -> list[TrunkRe
             for b in pending
             if b.seed == trunk.seed and start_point(b, sroot) is None and not _has_checkpoint(copy, b.at)
         ]
-        if not needed or runs.status_of(runs.read_json(runs.summary_path(tdir))) not in runs.FINISHED:
+        if not needed or runs.run_status(tdir) not in runs.FINISHED:
             continue  # an unfinished trunk runs in the first phase; a failed or diverged one has no branches
         if os.path.isdir(copy):
             shutil.rmtree(copy)

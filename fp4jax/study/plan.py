@@ -274,19 +274,19 @@ def stage_specs(stage: Stage) -> list[runner.RunSpec]:
 
 
 def _check_arms(arms: list[str] | None, stages: list[Stage]) -> None:
-    known = {arm for stage in stages for arm in stage.arms}
-    unknown = sorted(set(arms or ()) - known)
-    if unknown:
-        names = ", ".join(sorted(known))
-        raise ValueError(f"--arm {', '.join(unknown)}: not an arm of these stages; use {names}")
+    _check_chosen("--arm", "an arm", arms, {arm for stage in stages for arm in stage.arms})
 
 
 def _check_seeds(seeds: list[int] | None, stages: list[Stage]) -> None:
-    known = {seed for stage in stages for seed in stage.seeds}
-    unknown = sorted(set(seeds or ()) - known)
+    _check_chosen("--seed", "a seed", seeds, {seed for stage in stages for seed in stage.seeds})
+
+
+def _check_chosen(flag: str, noun: str, chosen, known: set) -> None:
+    """One line naming what `flag` chose that the stages do not have, and what they do."""
+    unknown = sorted(set(chosen or ()) - known)
     if unknown:
-        names = ", ".join(str(s) for s in sorted(known))
-        raise ValueError(f"--seed {', '.join(map(str, unknown))}: not a seed of these stages; use {names}")
+        names = ", ".join(str(k) for k in sorted(known))
+        raise ValueError(f"{flag} {', '.join(map(str, unknown))}: not {noun} of these stages; use {names}")
 
 
 def stage_root(root: str, stage: Stage) -> str:
@@ -346,7 +346,7 @@ def progress(plan: Plan, root: str) -> list[dict]:
         sroot = stage_root(root, stage)
         measured = measured_minutes(root, stage, 1)
         specs = stage_specs(stage)
-        statuses = [runs.status_of(runs.read_json(runs.summary_path(s.directory(sroot)))) for s in specs]
+        statuses = [runs.run_status(s.directory(sroot)) for s in specs]
         left = [s for s, status in zip(specs, statuses, strict=True) if status not in runs.FINAL_STATUSES]
         rows.append(
             {
@@ -392,7 +392,7 @@ def measured_minutes(root: str, stage: Stage, runs_per_gpu: int = 1) -> dict[str
     for spec in stage_specs(stage):
         directory = spec.directory(stage_root(root, stage))
         record = runs.read_json(os.path.join(directory, runs.RECORD_FILE))
-        status = runs.status_of(runs.read_json(runs.summary_path(directory)))
+        status = runs.run_status(directory)
         if not record or "reused_from" in record or status not in runs.FINISHED:
             continue
         if runs.gpu_sharing(record) == runs_per_gpu:

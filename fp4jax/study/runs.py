@@ -40,6 +40,7 @@ __all__ = [
     "median_tokens_per_s",
     "parse_run_path",
     "read_json",
+    "run_status",
     "read_records",
     "status_of",
     "summary_path",
@@ -76,10 +77,15 @@ def status_of(summary: dict | None) -> str | None:
     return OLD_STATUSES.get(status, status)
 
 
+def run_status(run_dir: str) -> str | None:
+    """The status of the run in `run_dir` (status_of its summary), None without one."""
+    return status_of(read_json(summary_path(run_dir)))
+
+
 def is_finished(run_dir: str, retry_failed: bool = False) -> bool:
     """True when the run has a summary with a final status (never rerun); "failed" counts as unfinished
     when retry_failed."""
-    status = status_of(read_json(summary_path(run_dir)))
+    status = run_status(run_dir)
     return status in FINAL_STATUSES and not (retry_failed and status == "failed")
 
 
