@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
+from jax import lax
 
 __all__ = [
     "ALL_ELEM_FORMATS",
@@ -41,6 +43,7 @@ __all__ = [
     "SCALE_EXP_MIN",
     "SCALE_NAN_BITS",
     "ElemFormat",
+    "float8_to_float32",
     "get_elem_format",
     "require_power_of_two",
 ]
@@ -127,3 +130,31 @@ def get_elem_format(name: str | ElemFormat) -> ElemFormat:
         raise ValueError(
             f"unknown element format {name!r}: use one of {', '.join(sorted(ALL_ELEM_FORMATS))}"
         ) from None
+
+
+_FLOAT8_FORMATS = {jnp.dtype(f.dtype): f for f in (E4M3, E5M2)}
+
+
+def float8_to_float32(x: jax.Array) -> jax.Array:
+    """The float32 values of a float8_e4m3fn or float8_e5m2 array, decoded from its bit patterns.
+
+    Use this, not x.astype(float32), where x was rounded to FP8 in the same program: XLA:GPU's
+    simplify-fp-conversions pass (on under xla_allow_excess_precision, XLA's default) folds a chain of
+    float conversions float32 -> FP8 -> float32 into nothing, so the widened values would be the unrounded
+    float32 ones on GPUs (not on CPUs). Integer decoding is not a conversion chain, so the rounding stays.
+    Exact for every code: subnormals, -0, E5M2's infinities and NaNs, E4M3FN's NaN.
+    """
+    fmt = _FLOAT8_FORMATS.get(jnp.dtype(x.dtype))
+    if fmt is None:
+        raise ValueError(f"float8_to_float32 takes float8_e4m3fn or float8_e5m2 arrays, got {x.dtype}")
+    m, bias = fmt.mantissa_bits, 1 - fmt.emin
+    bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.int32)
+    exponent = (bits >> m) & (0x7F >> m)
+    mantissa = bits & ((1 << m) - 1)
+    normal = lax.bitcast_convert_type(((exponent + 127 - bias) << 23) | (mantissa << (23 - m)), jnp.float32)
+    subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** (fmt.emin - m))  # exact
+    magnitude = jnp.where(exponent == 0, subnormal, normal)
+    # Codes above the largest finite value: E5M2's +-inf (mantissa 0) and NaNs, E4M3FN's NaN (S.1111.111).
+    special = jnp.where(mantissa == 0, jnp.float32(jnp.inf), jnp.float32(jnp.nan))
+    magnitude = jnp.where(magnitude > fmt.max_value, special, magnitude)
+    return jnp.where(bits >= 0x80, -magnitude, magnitude)

@@ -162,7 +162,8 @@ def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.A
     """(s_b as float8_e4m3fn, e_b as float32) of blocks with absolute maxima block_amax: TE's steps."""
     s_b = jnp.minimum(block_amax * (global_scale * jnp.float32(_RCP_6)), _E4M3_MAX)
     s_b = s_b.astype(jnp.float8_e4m3fn)  # round to nearest even; the clip above is the saturation
-    block_decode = flush_subnormal(s_b.astype(jnp.float32) * _decode_scale(global_scale))
+    # Decoded from its bits: s_b.astype(float32) would let XLA:GPU fold the rounding away (formats.py).
+    block_decode = flush_subnormal(formats.float8_to_float32(s_b) * _decode_scale(global_scale))
     return s_b, jnp.minimum(jnp.float32(1.0) / block_decode, _F32_MAX)  # 1 / 0 = inf -> FLT_MAX
 
 

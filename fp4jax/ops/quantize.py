@@ -27,6 +27,7 @@ from fp4jax.ops.formats import (
     F32_MANTISSA_MASK,
     F32_SIGN_MASK,
     ElemFormat,
+    float8_to_float32,
     get_elem_format,
 )
 
@@ -339,7 +340,7 @@ class FP8Array:
         return self.data.shape
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        return (self.data.astype(jnp.float32) / self.scale).astype(dtype)
+        return (float8_to_float32(self.data) / self.scale).astype(dtype)
 
 
 def amax(x: jax.Array) -> jax.Array:

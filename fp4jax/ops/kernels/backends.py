@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.ops import nvfp4
+from fp4jax.ops.formats import float8_to_float32
 from fp4jax.ops.kernels import fold, probes
 from fp4jax.ops.kernels.probes import (
     NATIVE_BLOCK_SIZE,
@@ -140,7 +141,9 @@ def _emulate_input(operand, keep_fp8: bool):
         return operand.dequantize(jnp.bfloat16), None
     if isinstance(operand, FP8Array):
         # FP8 x FP8 stays in FP8 so XLA can emit a native FP8 GEMM (Hopper, MI300+); exact either way.
-        return (operand.data if keep_fp8 else operand.data.astype(jnp.bfloat16)), operand.scale
+        # Widened from its bits: a plain astype would let XLA:GPU fold away the FP8 rounding (formats.py).
+        values = operand.data if keep_fp8 else float8_to_float32(operand.data).astype(jnp.bfloat16)
+        return values, operand.scale
     return operand, None
 
 
@@ -150,7 +153,7 @@ def _nvfp4_input(operand):
     if isinstance(operand, nvfp4.NVFP4Array):
         return operand.block_values(jnp.bfloat16), operand.decode_scale()
     if isinstance(operand, FP8Array):
-        return operand.data.astype(jnp.bfloat16), jnp.float32(1.0) / operand.scale
+        return float8_to_float32(operand.data).astype(jnp.bfloat16), jnp.float32(1.0) / operand.scale
     if isinstance(operand, MXArray):
         return operand.dequantize(jnp.bfloat16), None
     return operand, None

@@ -1,0 +1,182 @@
+"""The numbers must not depend on XLA:GPU folding float conversions.
+
+XLA:GPU's simplify-fp-conversions pass (on under xla_allow_excess_precision, XLA's default) replaces a
+chain of float conversions float32 -> narrow -> float32 by nothing. Where the narrow conversion rounds (a
+value not on the narrow grid), the rounding disappears on GPUs and stays on CPUs, so CPU tests cannot see
+it. This file evaluates each program twice on the CPU, op by op: as written, and with every such chain
+read from its source as that pass would compile it; the two must agree bit for bit. Chains of values
+already on the narrow grid (an MX element written to its storage type) fold harmlessly and pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+from fp4jax.ops import PRESETS, GemmSpec, QuantSpec, Recipe, mx_dot_general
+from fp4jax.ops.formats import float8_to_float32
+from fp4jax.ops.quantize import quantize_fp8
+
+# Ops that only move or replicate elements: XLA's other passes may move a conversion across them, so a
+# chain through them is treated as direct.
+_LAYOUT_OPS = {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "copy", "rev"}
+# Call-like primitives whose body runs once, evaluated inside; others (scan, while, cond) are bound
+# as they are, so a chain inside them is not checked here.
+_CALLS = {
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "remat",
+    "checkpoint",
+    "custom_jvp_call",
+    "custom_vjp_call",
+}
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.floating)
+
+
+def _evaluate(jaxpr, consts, args, sources, fold: bool):
+    """Runs jaxpr op by op. `sources` maps a variable made by a float conversion to the value it was
+    converted from (through layout ops); with fold, a float conversion of such a variable converts
+    that source instead, which is what XLA:GPU compiles."""
+    env, source = dict(zip(jaxpr.constvars, consts, strict=True)), {}
+    for var, arg, src in zip(jaxpr.invars, args, sources, strict=True):
+        env[var] = arg
+        if src is not None:
+            source[var] = src
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    src_of = lambda v: None if isinstance(v, jcore.Literal) else source.get(v)
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        srcs = [src_of(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "convert_element_type" and _float(eqn.invars[0].aval) and _float(eqn.outvars[0].aval):
+            (out,) = eqn.outvars
+            operand = srcs[0] if fold and srcs[0] is not None else vals[0]
+            env[out] = eqn.primitive.bind(operand, **eqn.params)
+            source[out] = srcs[0] if srcs[0] is not None else vals[0]
+            continue
+        if name in _LAYOUT_OPS and srcs[0] is not None:
+            env[eqn.outvars[0]] = eqn.primitive.bind(*vals, **eqn.params)
+            source[eqn.outvars[0]] = eqn.primitive.bind(srcs[0], *vals[1:], **eqn.params)
+            continue
+        inner = next((eqn.params[p] for p in _CALL_PARAMS if p in eqn.params), None)
+        if name in _CALLS and inner is not None and any(s is not None for s in srcs):
+            closed = inner if isinstance(inner, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(inner, [])
+            outs = _evaluate(closed.jaxpr, closed.consts, vals, srcs, fold)
+        else:
+            outs = eqn.primitive.bind(*vals, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _both_ways(f, *args):
+    """(f's outputs as written, f's outputs with the float-conversion chains folded), op by op on the CPU."""
+    closed = jax.make_jaxpr(f)(*args)
+    flat = jax.tree.leaves(args)
+    run = lambda fold: _evaluate(closed.jaxpr, closed.consts, flat, [None] * len(flat), fold)
+    return run(False), run(True)
+
+
+def _assert_same_bits(written, folded, what):
+    for i, (a, b) in enumerate(zip(written, folded, strict=True)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        differ = int(np.sum(a.view(np.uint32) != b.view(np.uint32)))
+        assert differ == 0, f"{what}: output {i} changes in {differ} elements when XLA:GPU folds conversions"
+
+
+def _operands():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 64)) * np.exp2(rng.integers(-8, 3, (32, 64)))
+    x[::5, 7] *= 300  # an outlier channel
+    w = rng.standard_normal((64, 48)) * 0.1
+    dy = rng.standard_normal((32, 48))
+    return (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
+
+
+def _fwd_bwd(recipe, dy, meta=None):
+    key = jax.random.key(3) if recipe.needs_key else None
+    dims = (((1,), (0,)), ((), ()))
+
+    def f(x, w):
+        y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, dims, recipe=recipe, key=key, fp8_meta=meta), x, w)
+        return (y, *vjp(dy))
+
+    return f
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("backend", ["emulate", "fp8"])
+def test_presets_do_not_depend_on_folded_conversions(name, backend):
+    """Every preset's forward and both gradients, on the back ends the CPU runs (fp8 as emulate where it
+    does not fold, its own fold otherwise)."""
+    recipe = dataclasses.replace(PRESETS[name], backend=backend)
+    x, w, dy = _operands()
+    meta = None
+    if recipe.uses_delayed_fp8:
+        n = recipe.fp8_amax_history_len
+        meta = {k: jnp.full((n,), v, jnp.float32) for k, v in (("lhs", 30.0), ("rhs", 0.3), ("grad", 3.0))}
+    _assert_same_bits(*_both_ways(_fwd_bwd(recipe, dy, meta), x, w), f"{name} on {backend}")
+
+
+_FP8 = QuantSpec(kind="fp8", elem="e4m3")
+_MIXED = {
+    "nvfp4_x_fp8": (PRESETS["nvfp4_full"].fprop.lhs, _FP8),
+    "fp8_x_mxfp4": (_FP8, PRESETS["mxfp4_full"].fprop.rhs),
+    "fp8_x_float32": (_FP8, QuantSpec()),
+}
+
+
+@pytest.mark.parametrize("pair", list(_MIXED))
+def test_fp8_against_other_kinds_does_not_depend_on_folded_conversions(pair):
+    """A per-tensor FP8 operand times NVFP4, MXFP4 or float32 widens its FP8 data in the same program."""
+    recipe = Recipe(fprop=GemmSpec(*_MIXED[pair]))
+    x, w, dy = _operands()
+    _assert_same_bits(*_both_ways(_fwd_bwd(recipe, dy), x, w), pair)
+
+
+def test_fp8_dequantize_does_not_depend_on_folded_conversions():
+    x, _, _ = _operands()
+    _assert_same_bits(*_both_ways(lambda v: quantize_fp8(v * 3.7).dequantize(), x), "FP8Array.dequantize")
+
+
+def test_the_check_sees_a_rounding_that_folds_away():
+    """The evaluator itself: float32 -> E4M3 -> float32 of off-grid values folds to the input."""
+    x, _, _ = _operands()
+    written, folded = _both_ways(lambda v: v.astype(jnp.float8_e4m3fn).astype(jnp.float32) * 2, x)
+    assert np.array_equal(np.asarray(folded[0]), np.asarray(x) * 2)
+    assert not np.array_equal(np.asarray(written[0]), np.asarray(folded[0]))
+    written, folded = _both_ways(lambda v: float8_to_float32(v.astype(jnp.float8_e4m3fn)) * 2, x)
+    _assert_same_bits(written, folded, "float8_to_float32")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_float8_to_float32_decodes_every_code(dtype):
+    """All 256 codes against ml_dtypes' conversion: the same float32 bits (every NaN as a NaN)."""
+    codes = np.arange(256, dtype=np.uint8).view(jnp.dtype(dtype))
+    want = codes.astype(np.float32)
+    for got in (float8_to_float32(jnp.asarray(codes)), jax.jit(float8_to_float32)(jnp.asarray(codes))):
+        got = np.asarray(got)
+        assert got.dtype == np.float32
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0 and subnormals too
+    assert np.isinf(want).sum() == (2 if dtype == jnp.float8_e5m2 else 0)
+
+
+def test_float8_to_float32_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="float8_e4m3fn or float8_e5m2 arrays, got bfloat16"):
+        float8_to_float32(jnp.ones(3, jnp.bfloat16))
+    with pytest.raises(ValueError, match="got float8_e8m0fnu"):
+        float8_to_float32(jnp.asarray(np.ones(3, ml_dtypes.float8_e8m0fnu)))
