@@ -475,9 +475,15 @@ def test_the_resolved_execution_names_nvfp4_operands(monkeypatch):
     _, native_mixed = resolve_execution(mixed, backend="native")
     only_pairs = "; GEMMs with NVFP4 operands run as in emulate (native multiplies NVFP4 by NVFP4 only)"
     assert native_mixed.backend_reason.endswith(only_pairs)
+    only_nvidia = (
+        "run as in emulate (native multiplies NVFP4 on NVIDIA GPUs only, where XLA compiles its scaled_dot)"
+    )
+    monkeypatch.setattr(probes, "nvfp4_scaled_dot_compiles", lambda: False)  # an XLA without it
+    _, native_old_xla = resolve_execution("nvfp4_nvidia", backend="native")
+    assert native_old_xla.backend_reason.endswith("; GEMMs with NVFP4 operands " + only_nvidia)
+    monkeypatch.setattr(probes, "nvfp4_scaled_dot_compiles", lambda: True)
     monkeypatch.setattr(probes, "describe_device", lambda: GFX950)
     _, native_amd = resolve_execution("nvfp4_nvidia", backend="native")
-    only_nvidia = "run as in emulate (native multiplies NVFP4 on NVIDIA GPUs only)"
     assert native_amd.backend_reason.endswith("; GEMMs with NVFP4 operands " + only_nvidia)
 
 

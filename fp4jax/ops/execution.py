@@ -63,15 +63,16 @@ def _unfolded(recipe: Recipe, backend: str) -> str:
 
     fp8: the block-scaled operands it does not fold exactly into E4M3 (backends.fp8_unfolded: MX other
     than E2M1 and E2M3, i.e. E3M2 and MXFP8's E4M3/E5M2, and NVFP4). native: NVFP4 operands of GEMMs
-    whose other operand is not NVFP4, and every NVFP4 operand off NVIDIA GPUs (and the CPU): scaled_dot
+    whose other operand is not NVFP4, and every NVFP4 operand where backends.native_multiplies_nvfp4 is
+    false (off NVIDIA GPUs and the CPU, or where XLA does not compile its scaled_dot): scaled_dot
     multiplies MX x MX and NVFP4 x NVFP4 (backends.native_supports). Shapes it does not take are not named.
     """
     if backend == "fp8":
         unfolded = backends.fp8_unfolded(recipe)
         why = "no exact fold"
-    elif backend == "native" and probes.describe_device().vendor not in backends.NVFP4_NATIVE_VENDORS:
+    elif backend == "native" and not backends.native_multiplies_nvfp4():
         unfolded = tuple(s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "nvfp4")
-        why = "native multiplies NVFP4 on NVIDIA GPUs only"
+        why = "native multiplies NVFP4 on NVIDIA GPUs only, where XLA compiles its scaled_dot"
     elif backend == "native":
         mixed = [g for g in recipe.gemms if (g.lhs.kind == "nvfp4") != (g.rhs.kind == "nvfp4")]
         unfolded = tuple(s for g in mixed for s in (g.lhs, g.rhs) if s.kind == "nvfp4")

@@ -213,6 +213,12 @@ def _emulate(a, c, precision, out_dtype=jnp.float32) -> jax.Array:
 NVFP4_NATIVE_VENDORS = ("nvidia", "cpu")
 
 
+def native_multiplies_nvfp4() -> bool:
+    """Whether `native` takes NVFP4 x NVFP4 GEMMs here: a vendor above, and XLA compiles the probe's
+    E4M3-scaled scaled_dot (probes.nvfp4_scaled_dot_compiles, once per process)."""
+    return probes.describe_device().vendor in NVFP4_NATIVE_VENDORS and probes.nvfp4_scaled_dot_compiles()
+
+
 def _native_shape_fits(a, c) -> bool:
     (batch, m, k), (_, n, _) = a.shape, c.shape
     return (
@@ -228,11 +234,10 @@ def native_supports(a, c) -> bool:
     others fall back to `emulate` (same numbers, dequantized operands)."""
     if isinstance(a, nvfp4.NVFP4Array) and isinstance(c, nvfp4.NVFP4Array):
         return (
-            probes.describe_device().vendor in NVFP4_NATIVE_VENDORS
-            and a.block_size == c.block_size == nvfp4.NVFP4_BLOCK_SIZE
+            a.block_size == c.block_size == nvfp4.NVFP4_BLOCK_SIZE
             and all(x.block_2d or x.axis == 2 for x in (a, c))
             and _native_shape_fits(a, c)
-            and probes.nvfp4_scaled_dot_compiles()
+            and native_multiplies_nvfp4()
         )
     if not (isinstance(a, MXArray) and isinstance(c, MXArray)):
         return False
