@@ -38,7 +38,8 @@ b = "mxfp4_full"
 """
 # A trainer that finishes at once. The trunk (no init_from) writes a checkpoint with a manifest at each of
 # keep_checkpoint_steps; a branch refuses (exit 2) unless its trunk has the checkpoint it starts from, and
-# evaluates every step after it: 5 - ln(tokens) / 10, arm b 0.01 + 0.003 x seed nats higher.
+# evaluates every step after it: 5 - ln(tokens) / 10, arm b 0.01 + 0.003 x seed nats higher (or, from
+# FAKE_OFFSETS, {recipe: [offset, per_seed]}: offset + per_seed x seed nats higher).
 FAKE = """
 import json, math, os, sys
 args = dict(a[9:].split("=", 1) for a in sys.argv if a.startswith("--config."))
@@ -55,12 +56,14 @@ else:
         if step:
             os.makedirs(os.path.join(workdir, "checkpoints", step), exist_ok=True)
             open(os.path.join(workdir, "checkpoints", step, "fp4jax_manifest.json"), "w").write("{}")
-b = args["recipe"] == "mxfp4_full"
-evals = [[s, s, 1000 * s, 5 - math.log(1000 * s) / 10 + (0.01 + 0.003 * seed if b else 0)]
+offset, per_seed = json.loads(os.environ.get("FAKE_OFFSETS", '{"mxfp4_full": [0.01, 0.003]}')).get(
+    args["recipe"], [0, 0])
+evals = [[s, s, 1000 * s, 5 - math.log(1000 * s) / 10 + offset + per_seed * seed]
          for s in range(first + 1, steps + 1)]
 with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
     for s in range(first + 1, steps + 1):
-        f.write(json.dumps({"step": s, "loss": 9 - s / 7 - seed / 3, "grad_norm": 1 + s / 9}) + "\\n")
+        line = {"step": s, "tokens": 1000 * s, "loss": 9 - s / 7 - seed / 3, "grad_norm": 1 + s / 9}
+        f.write(json.dumps(line) + "\\n")
 with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump({"status": "not_reached", "steps": steps, "evals": evals}, f)
 """
@@ -133,6 +136,84 @@ def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(b
     assert study_cli.main(["report", "--plan", branch_plan.path, "--root", root, "--out", str(out)]) == 0
     assert (out / "branches.md").read_text() == text
     assert json.loads((out / "branches.json").read_text())["points"][1]["at"] == 4
+
+
+# The ten arms of the pre-registered contrasts with planted effects (nats above fp8, and a small
+# per-trunk term so the model has a residual): Wgrad's MXFP4 costs the most, no stabiliser helps, H16
+# restores full to within 0.001 nats of fprop (about 1 % tokens on the fake's curve).
+LADDER_OFFSETS = {
+    "fp8_mlperf": [0, 0],
+    "mxfp4_fprop": [0.004, 0.0002],
+    "mxfp4_fprop_dgrad": [0.006, -0.0001],
+    "mxfp4_full": [0.030, 0.0001],
+    "mxfp4_full_sr": [0.031, -0.0002],
+    "mxfp4_full_sr_prescale": [0.0305, 0.0001],
+    "mxfp4_full_rht": [0.0302, 0],
+    "mxfp4_full_h16": [0.005, 0.0001],
+    "mxfp4_full_h32": [0.0055, -0.0001],
+    "mxfp4_full_h16_wgrad_only": [0.012, 0.0002],
+}
+LADDER_ARMS = dict(
+    zip(
+        ("fp8", "fprop", "fprop_dgrad", "full", "full_sr", "full_sr_prescale", "full_rht", "full_h16",
+         "full_h32", "h16_wgrad_only"),
+        LADDER_OFFSETS,
+        strict=True,
+    )
+)  # fmt: skip
+
+
+def test_the_report_judges_the_claims_per_branch_step_with_trunks_as_blocks(
+    branch_plan, tmp_path, monkeypatch
+):
+    """A branch stage with every contrast's arms gets the pre-registered analysis per branch step
+    (claims.analyze on its branches, the trunk as the block): planted effects give the planted verdicts;
+    with one trunk the claims are not yet estimable; a stage without those arms gets none."""
+    monkeypatch.setenv("FAKE_OFFSETS", json.dumps(LADDER_OFFSETS))
+    text = BRANCH_PLAN.replace('baseline = "a"', 'baseline = "fp8"').replace(
+        'trunk_arm = "a"', 'trunk_arm = "fp8"'
+    )
+    text = text.replace("seeds = [0, 1]", "seeds = [0, 1, 2]").replace(
+        "branch_length = 3", "branch_length = 6"
+    )
+    text = text.split("[stages.arms]")[0]
+    path = tmp_path / "ladder.toml"
+    path.write_text(text + "[stages.arms]\n" + "".join(f'{a} = "{r}"\n' for a, r in LADDER_ARMS.items()))
+    ladder = plan.load_plan(str(path))
+    root, out = str(tmp_path / "runs"), tmp_path / "report"
+    report = ["report", "--plan", ladder.path, "--root", root, "--out", str(out)]
+    plan.run_plan(ladder, root, budget_minutes=5, seeds=[0], log=lambda line: None)
+    assert study_cli.main(report) == 0
+    one = json.loads((out / "branches_claims_at4.json").read_text())
+    assert one["df"] == 0 and {v["verdict"] for v in one["verdicts"].values()} == {"not yet estimable"}
+
+    plan.run_plan(ladder, root, budget_minutes=5, log=lambda line: None)
+    assert study_cli.main(report) == 0
+    for at, tokens in ((2, [4000, 5000, 6000, 7000, 8000]), (4, [6000, 7000, 8000, 9000, 10000])):
+        result = json.loads((out / f"branches_claims_at{at}.json").read_text())
+        assert result["metric_tokens"] == tokens  # the branches' last 5 evaluations
+        assert result["df"] == 18 and not result["interim"]  # 10 arms x 3 trunks
+        c1 = next(r for r in result["contrasts"] if r["name"] == "C1")
+        assert c1["estimate"] == pytest.approx(0.024, abs=1e-3) and c1["reject"]
+        assert {k: v["verdict"] for k, v in result["verdicts"].items()} == dict.fromkeys("abc", "supported")
+        assert (out / f"branches_claims_at{at}.png").exists()
+        assert "Branched at step" in (out / f"branches_claims_at{at}.md").read_text()
+
+    assert (
+        study_cli.main(
+            [
+                "report",
+                "--plan",
+                branch_plan.path,
+                "--root",
+                str(tmp_path / "r2"),
+                "--out",
+                str(tmp_path / "o2"),
+            ]
+        )
+        == 0
+    )
+    assert not list((tmp_path / "o2").glob("*claims_at*"))
 
 
 def test_branches_wait_for_their_trunks_checkpoint(branch_plan, tmp_path):

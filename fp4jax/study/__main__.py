@@ -14,7 +14,9 @@ it. Exit code 0 when the call ends (whatever the runs' outcomes), 2 for bad inpu
 that sets count_spikes), DIR/<stage>_gate.json for a gated stage, DIR/lr_stress_<reference>.md/.json for
 each LR series (fp4jax.study.lr_stress: the stages that name a reference stage as their 1x point), and
 DIR/claims.md/.json/.png: the pre-registered contrasts and the verdict per claim (fp4jax.study.claims;
-the LR series' stress stages, at other LRs, are not in it). `instruments` writes DIR/instruments.json,
+the LR series' stress stages, at other LRs, are not in it); for a branch stage, DIR/<stage>.md/.json and,
+when its arms cover the contrasts, DIR/<stage>_claims_at<step>.md/.json/.png: the same analysis per branch
+point, trunks as blocks (docs/study_plan.md). `instruments` writes DIR/instruments.json,
 instruments.txt and instruments_<stage>.png (docs/diagnostics.md, Mechanism instruments).
 """
 
@@ -163,12 +165,27 @@ def cmd_instruments(args) -> None:
 
 
 def _branch_report(stage, sroot: str, out: str | None) -> None:
-    """A branch stage's differences at fixed tokens (fp4jax.study.branching): DIR/<stage>.md and .json."""
+    """A branch stage's differences at fixed tokens (fp4jax.study.branching): DIR/<stage>.md and .json;
+    for a stage with every arm of the pre-registered contrasts, also the claims per branch step."""
     result = branching.analyze(sroot, stage)
     text = branching.to_markdown(result)
     print(text)
     if out:
         _write_md_json(os.path.join(out, stage.name), text, result)
+    if not set().union(*claims.CONTRASTS.values()) <= set(stage.arms):
+        return
+    for at in stage.branch_steps:
+        found = branching.branch_runs(sroot, stage, at)
+        cells, _, _ = claims.primary_cells(found, claims.DEFAULT_LAST_K)
+        if not any(arm == stage.baseline for arm, _ in cells):
+            continue  # no baseline branch from this step has ended yet
+        claimed = claims.analyze(found, stage.baseline, list(stage.arms), claims.DEFAULT_LAST_K)
+        text = f"Branched at step {at} (rows: arms; blocks: trunks).\n\n" + claims.to_markdown(claimed)
+        print(text)
+        if out:
+            base = os.path.join(out, f"{stage.name}_claims_at{at}")
+            _write_md_json(base, text, claimed)
+            claims.forest_plot(claimed, base + ".png")
 
 
 def _write_md_json(base: str, text: str, result: dict) -> None:

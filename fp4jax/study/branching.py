@@ -36,7 +36,7 @@ import os
 import shutil
 import statistics
 
-from fp4jax.study import runner, runs, stats
+from fp4jax.study import analysis, runner, runs, stats
 from fp4jax.training import integrity
 
 __all__ = [
@@ -267,6 +267,17 @@ def _evals(directory: str) -> dict[int, tuple[int, float]] | None:
     if runs.status_of(summary) not in ("reached", "not_reached"):
         return None
     return {int(e[2]): (int(e[0]), float(e[3])) for e in runs.evals_from(summary, []) if math.isfinite(e[3])}
+
+
+def branch_runs(sroot: str, stage, at: int) -> list[analysis.StudyRun]:
+    """The branches from trunk step `at` that have a directory, as the from-scratch analysis reads runs
+    (rung = arm, seed = trunk): the pre-registered claims (claims.analyze) apply to them per branch step,
+    the trunk standing for the seed (docs/study_plan.md, amendment "the claims on the branching ladder")."""
+    found = []
+    for spec in stage_specs(stage, []):
+        if isinstance(spec, BranchRun) and spec.at == at and os.path.isdir(spec.directory(sroot)):
+            found.append(analysis.load_run(_arm(spec), None, spec.seed, spec.directory(sroot)))
+    return found
 
 
 def analyze(sroot: str, stage) -> dict:

@@ -128,7 +128,11 @@ def analyze(study_runs, baseline: str, arms, last_k: int) -> dict:
         for arm in present
         if arm != baseline and fit.df > 0
     ]
-    ordering = stats.contrast(fit, ORDERING, "C1 - C2 - C3") if set(ORDERING) <= set(present) else None
+    ordering = (
+        stats.contrast(fit, ORDERING, "C1 - C2 - C3")
+        if set(ORDERING) <= set(present) and fit.df > 0
+        else None
+    )
     result = {
         "baseline": baseline,
         "metric": f"mean eval loss of the last {last_k} evaluations",
@@ -173,9 +177,21 @@ def _missing(names, rows) -> list[str]:
     return [n for n in names if n not in rows]
 
 
-def _verdict_a(rows: dict, ordering: dict | None) -> tuple[str, str]:
+def _pending(names, rows, not_estimable) -> tuple[str, str]:
+    """The verdict of a claim whose contrasts are not all in the family: arms not run, or (every arm run) a
+    table without residual degrees of freedom, e.g. one seed or trunk."""
+    unrun = [n for n in names if n in not_estimable]
+    if unrun:
+        return "not yet run", "needs " + ", ".join(unrun)
+    return (
+        "not yet estimable",
+        f"{', '.join(_missing(names, rows))}: no residual df (needs a second seed or trunk)",
+    )
+
+
+def _verdict_a(rows: dict, ordering: dict | None, not_estimable) -> tuple[str, str]:
     if _missing(("C1", "C2", "C3"), rows) or ordering is None:
-        return "not yet run", "needs " + ", ".join(_missing(("C1", "C2", "C3"), rows) or ["C1 - C2 - C3"])
+        return _pending(("C1", "C2", "C3"), rows, not_estimable)
     c1 = rows["C1"]
     why = (
         f"C1 = {c1['estimate']:+.4f} nats (Holm p {c1['p_holm']:.3g}); C1 - C2 - C3 = "
@@ -189,18 +205,18 @@ def _verdict_a(rows: dict, ordering: dict | None) -> tuple[str, str]:
     return "not resolved at this scale", why
 
 
-def _verdict_b(rows: dict) -> tuple[str, str]:
+def _verdict_b(rows: dict, not_estimable) -> tuple[str, str]:
     names = ("C5", "C6", "C7")
     if _missing(names, rows):
-        return "not yet run", "needs " + ", ".join(_missing(names, rows))
+        return _pending(names, rows, not_estimable)
     helps = [n for n in names if rows[n]["reject"] and rows[n]["estimate"] < 0]
     why = "; ".join(f"{n} = {rows[n]['estimate']:+.4f} (Holm p {rows[n]['p_holm']:.3g})" for n in names)
     return ("refuted" if helps else "supported"), why
 
 
-def _verdict_c(rows: dict) -> tuple[str, str]:
+def _verdict_c(rows: dict, not_estimable) -> tuple[str, str]:
     if "C10" not in rows:
-        return "not yet run", "needs C10"
+        return _pending(("C10",), rows, not_estimable)
     tok = rows["C10"]["tokens"]
     if tok["overhead"] is None:
         return "not resolved at this scale", tok.get("note") or "no token conversion"
@@ -215,7 +231,12 @@ def _verdict_c(rows: dict) -> tuple[str, str]:
 def claim_verdicts(result: dict) -> dict[str, dict]:
     """docs/study_plan.md's decision rules: {claim: {claim, verdict, why}}."""
     rows = _by_name(result)
-    decided = {"a": _verdict_a(rows, result["ordering"]), "b": _verdict_b(rows), "c": _verdict_c(rows)}
+    unrun = result["not_estimable"]
+    decided = {
+        "a": _verdict_a(rows, result["ordering"], unrun),
+        "b": _verdict_b(rows, unrun),
+        "c": _verdict_c(rows, unrun),
+    }
     return {k: {"claim": CLAIMS[k], "verdict": v, "why": why} for k, (v, why) in decided.items()}
 
 
