@@ -135,6 +135,7 @@ def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(b
     out = tmp_path / "report"
     assert study_cli.main(["report", "--plan", branch_plan.path, "--root", root, "--out", str(out)]) == 0
     assert (out / "branches.md").read_text() == text
+    assert (out / "branches.png").stat().st_size > 0  # the differences against tokens, per branch step
     assert json.loads((out / "branches.json").read_text())["points"][1]["at"] == 4
 
 

@@ -14,10 +14,11 @@ it. Exit code 0 when the call ends (whatever the runs' outcomes), 2 for bad inpu
 that sets count_spikes), DIR/<stage>_gate.json for a gated stage, DIR/lr_stress_<reference>.md/.json for
 each LR series (fp4jax.study.lr_stress: the stages that name a reference stage as their 1x point), and
 DIR/claims.md/.json/.png: the pre-registered contrasts and the verdict per claim (fp4jax.study.claims;
-the LR series' stress stages, at other LRs, are not in it); for a branch stage, DIR/<stage>.md/.json and,
-when its arms cover the contrasts, DIR/<stage>_claims_at<step>.md/.json/.png: the same analysis per branch
-point, trunks as blocks (docs/study_plan.md). `instruments` writes DIR/instruments.json,
-instruments.txt and instruments_<stage>.png (docs/diagnostics.md, Mechanism instruments).
+the LR series' stress stages, at other LRs, are not in it); for a branch stage, DIR/<stage>.md/.json/
+.png (the differences against tokens) and, when its arms cover the contrasts, DIR/<stage>_claims_at
+<step>.md/.json/.png: the same analysis per branch point, trunks as blocks (docs/study_plan.md).
+`instruments` writes DIR/instruments.json, instruments.txt and instruments_<stage>.png
+(docs/diagnostics.md, Mechanism instruments).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import os
 import sys
 
-from fp4jax.study import analysis, branching, claims, lr_stress, plan, report
+from fp4jax.study import analysis, branching, claims, lr_stress, plan, plots, report
 from fp4jax.study.command import run_command
 
 
@@ -172,6 +173,7 @@ def _branch_report(stage, sroot: str, out: str | None) -> None:
     print(text)
     if out:
         _write_md_json(os.path.join(out, stage.name), text, result)
+        plots.plot_branches(result, os.path.join(out, stage.name + ".png"))
     if not set().union(*claims.CONTRASTS.values()) <= set(stage.arms):
         return
     for at in stage.branch_steps:

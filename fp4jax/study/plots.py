@@ -7,7 +7,15 @@ import math
 
 from fp4jax.study.analysis import GEMMS, first_probed
 
-__all__ = ["plot_all", "plot_curves", "plot_diagnostics", "plot_forest", "plot_lr", "plot_overhead"]
+__all__ = [
+    "plot_all",
+    "plot_branches",
+    "plot_curves",
+    "plot_diagnostics",
+    "plot_forest",
+    "plot_lr",
+    "plot_overhead",
+]
 
 
 def _pyplot():
@@ -141,6 +149,36 @@ def plot_forest(rows: list[tuple[str, dict]], band: float, path: str) -> None:
     ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="arms against fp8, and the contrasts")
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.grid(alpha=0.3, axis="x")
+    _save(fig, path)
+
+
+def plot_branches(result: dict, path: str) -> None:
+    """A branch stage (branching.analyze's dict): one panel per branch step, each arm's eval loss minus the
+    baseline's branch from the same trunk against tokens, the mean over trunks and each trunk's points."""
+    plt = _pyplot()
+    points = [p for p in result["points"] if p["evals"]]
+    if not points:
+        return
+    fig, axes = plt.subplots(1, len(points), figsize=(6 * len(points), 4.5), squeeze=False)
+    for ax, point in zip(axes[0], points, strict=True):
+        xs = [e["tokens"] for e in point["evals"]]
+        for arm in point["evals"][-1]["arms"]:
+            if arm == result["baseline"]:
+                continue
+            rows = [e["arms"].get(arm) for e in point["evals"]]
+            mean = [math.nan if not r or r["mean_difference"] is None else r["mean_difference"] for r in rows]
+            (line,) = ax.plot(xs, mean, label=arm, lw=1.2)
+            for x, r in zip(xs, rows, strict=True):
+                for d in (r or {}).get("difference", {}).values():
+                    ax.plot(x, d, ".", color=line.get_color(), ms=3, alpha=0.5)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set(
+            xlabel="tokens",
+            ylabel=f"eval loss - {result['baseline']} branch (nats)",
+            title=f"branched at step {point['at']}",
+        )
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     _save(fig, path)
 
 
