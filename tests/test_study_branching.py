@@ -113,6 +113,23 @@ def test_trunks_run_first_then_every_branch_and_a_second_call_runs_nothing(branc
     assert sum("not rerun" in line for line in again) == 10 and not any("start" in line for line in again)
 
 
+def test_two_slots_start_branches_of_different_arms_together(branch_plan, tmp_path):
+    """With two runs at once, an arm's second branch waits for its first (it then reads the compiled step
+    from the cache) while another arm's branch takes the free slot; one slot keeps the plain order."""
+    root = str(tmp_path / "runs")
+    lines = []
+    plan.run_plan(
+        branch_plan, root, budget_minutes=5, parallel=2, gpus=["0", "0"], seeds=[0], log=lines.append
+    )
+    started = [
+        line.split("start branches/")[1].split(" on GPU")[0] for line in lines if "start branches/" in line
+    ]
+    assert started[0] == "trunk/seed0" and sorted(started[1:]) == sorted(
+        f"{arm}/at{at}/seed0" for arm in "ab" for at in (2, 4)
+    )
+    assert started[1:3] == ["a/at2/seed0", "b/at2/seed0"]  # not a/at2 beside a/at4
+
+
 def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(branch_plan, tmp_path):
     root = str(tmp_path / "runs")
     plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
