@@ -3,8 +3,8 @@
 XLA:GPU's simplify-fp-conversions pass (on under xla_allow_excess_precision, XLA's default) replaces a
 chain of float conversions float32 -> narrow -> float32 by nothing. Where the narrow conversion rounds (a
 value not on the narrow grid), the rounding disappears on GPUs and stays on CPUs, so CPU tests cannot see
-it. This file evaluates each program twice on the CPU, op by op: as written, and with every such chain
-read from its source as that pass would compile it; the two must agree bit for bit. Chains of values
+it. This file compiles each program twice on the CPU: as written, and with every such chain read from its
+source as that pass would compile it; the two must agree bit for bit. Chains of values
 already on the narrow grid (an MX element written to its storage type) fold harmlessly and pass.
 """
 
@@ -83,10 +83,13 @@ def _evaluate(jaxpr, consts, args, sources, fold: bool):
 
 
 def _both_ways(f, *args):
-    """(f's outputs as written, f's outputs with the float-conversion chains folded), op by op on the CPU."""
+    """(f's outputs as written, f's outputs with the float-conversion chains folded) on the CPU: the
+    evaluator traced under jit both ways, so the two programs differ only in the folded conversions."""
     closed = jax.make_jaxpr(f)(*args)
     flat = jax.tree.leaves(args)
-    run = lambda fold: _evaluate(closed.jaxpr, closed.consts, flat, [None] * len(flat), fold)
+    run = lambda fold: jax.jit(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, [None] * len(a), fold))(
+        *flat
+    )
     return run(False), run(True)
 
 
