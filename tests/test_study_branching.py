@@ -12,6 +12,7 @@ import statistics
 import sys
 
 import pytest
+from long_lane import SLOW
 
 from fp4jax.study import __main__ as study_cli
 from fp4jax.study import branching, plan, runner
@@ -181,6 +182,7 @@ LADDER_ARMS = dict(
 )  # fmt: skip
 
 
+@SLOW  # 66 trainer subprocesses; the default lane tests the branch analysis with the same fake trainer
 def test_the_report_judges_the_claims_per_branch_step_with_trunks_as_blocks(
     branch_plan, tmp_path, monkeypatch
 ):
