@@ -59,6 +59,10 @@ def _code_tables(elem: str) -> tuple[np.ndarray, np.ndarray]:
 _TABLES = {elem: _code_tables(elem) for elem in PACKED_BITS}
 
 
+def _nbytes(*arrays: jax.Array) -> int:
+    return sum(a.size * a.dtype.itemsize for a in arrays)
+
+
 def _group(bits: int) -> tuple[int, int]:
     """(elements, bytes) of one packing group: the fewest elements that fill whole bytes."""
     elements = 8 // math.gcd(bits, 8)
@@ -81,7 +85,7 @@ class PackedMXArray:
     @property
     def nbytes(self) -> int:
         """Bytes held: the packed elements and the scales."""
-        return self.codes.size * self.codes.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize
+        return _nbytes(self.codes, self.scale)
 
     def unpack(self) -> MXArray:
         """The MXArray that was packed, bit for bit."""
@@ -106,8 +110,7 @@ class PackedNVFP4Array:
     @property
     def nbytes(self) -> int:
         """Bytes held: the packed elements, the block scales and the per-tensor scale."""
-        leaves = (self.codes, self.scale, self.global_scale)
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+        return _nbytes(self.codes, self.scale, self.global_scale)
 
     def unpack(self) -> NVFP4Array:
         """The NVFP4Array that was packed, bit for bit."""

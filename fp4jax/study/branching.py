@@ -46,6 +46,8 @@ __all__ = [
     "BranchRun",
     "TrunkRegeneration",
     "analyze",
+    "arm_of",
+    "branch_runs",
     "default_minutes",
     "normalize",
     "phases",
@@ -155,7 +157,9 @@ def default_minutes(stage, first: int, last: int) -> float:
     return stage.run_minutes * (last - first) / per
 
 
-def _arm(spec: runner.RunSpec) -> str:
+def arm_of(spec: runner.RunSpec) -> str:
+    """The arm whose compiled step a run uses: a scratch run's rung, a branch's "<arm>/at<step>" arm, the
+    trunks' "trunk"; an arm's seeds and its branches from any step share one program."""
     return spec.rung.name.split("/")[0]
 
 
@@ -238,7 +242,7 @@ def phases(specs: list[runner.RunSpec], sroot: str, arms: list[str] | None, log)
     logged as waiting."""
     trunks = [s for s in specs if not isinstance(s, BranchRun)]
     yield trunks
-    chosen = [s for s in specs if isinstance(s, BranchRun) and not (arms and _arm(s) not in arms)]
+    chosen = [s for s in specs if isinstance(s, BranchRun) and not (arms and arm_of(s) not in arms)]
     pending = [s for s in chosen if not runs.is_finished(s.directory(sroot))]
     _check_copies(trunks, pending, sroot, log)
     yield _regenerations(trunks, pending, sroot)
@@ -273,11 +277,16 @@ def branch_runs(sroot: str, stage, at: int) -> list[analysis.StudyRun]:
     """The branches from trunk step `at` that have a directory, as the from-scratch analysis reads runs
     (rung = arm, seed = trunk): the pre-registered claims (claims.analyze) apply to them per branch step,
     the trunk standing for the seed (docs/study_plan.md, amendment "the claims on the branching ladder")."""
-    found = []
-    for spec in stage_specs(stage, []):
-        if isinstance(spec, BranchRun) and spec.at == at and os.path.isdir(spec.directory(sroot)):
-            found.append(analysis.load_run(_arm(spec), None, spec.seed, spec.directory(sroot)))
-    return found
+    return [
+        analysis.load_run(arm_of(spec), None, spec.seed, spec.directory(sroot))
+        for spec in _branches_from(stage, at)
+        if os.path.isdir(spec.directory(sroot))
+    ]
+
+
+def _branches_from(stage, at: int) -> list[BranchRun]:
+    """The stage's branches from trunk step `at`, in stage_specs' order."""
+    return [s for s in stage_specs(stage, []) if isinstance(s, BranchRun) and s.at == at]
 
 
 def analyze(sroot: str, stage) -> dict:
@@ -288,13 +297,12 @@ def analyze(sroot: str, stage) -> dict:
     points = []
     for at in stage.branch_steps:
         curves, missing = {}, []
-        for spec in stage_specs(stage, []):
-            if isinstance(spec, BranchRun) and spec.at == at:
-                evals = _evals(spec.directory(sroot))
-                if evals is None:
-                    missing.append(spec.label)
-                else:
-                    curves[(_arm(spec), spec.seed)] = evals
+        for spec in _branches_from(stage, at):
+            evals = _evals(spec.directory(sroot))
+            if evals is None:
+                missing.append(spec.label)
+            else:
+                curves[(arm_of(spec), spec.seed)] = evals
         points.append({"at": at, "missing": missing, "evals": _point_evals(curves, stage)})
     return {
         "stage": stage.name,
