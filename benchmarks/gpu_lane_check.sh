@@ -32,7 +32,7 @@ timeout -k 5 200 python -m pytest -p no:cacheprovider -rs -q \
   tests/test_diagnostics.py::test_probe_runs_under_jit_and_returns_finite_scalars \
   tests/test_diagnostics.py::test_cli_writes_table_json_and_plot \
   tests/test_llama.py::test_pallas_attention_matches_naive_and_xla_gradients \
-  tests/test_packing.py tests/test_nvfp4.py \
+  tests/test_packing.py tests/test_nvfp4.py tests/test_exact_division.py \
   tests/test_formats_nvfp4_gemm.py::test_presets_forward_and_gradients_match_the_reference \
   >"$logs/pytest.log" 2>&1
 rc=$?; echo "pytest rc=$rc"; [ "$rc" = 0 ] || status=1

@@ -448,12 +448,21 @@ def test_native_multiplies_nvfp4_pairs_through_scaled_dot_as_emulate(name):
 GFX950 = probes.DeviceDescription("amd", "MI355X", "gfx950")
 
 
+BLACKWELL = probes.DeviceDescription("nvidia", "B200", "10.0")
+
+
 def test_native_leaves_nvfp4_where_scaled_dot_cannot_take_it(monkeypatch):
+    """The decision, on described devices (the one the tests run on may take NVFP4 or not)."""
+    monkeypatch.setattr(probes, "nvfp4_scaled_dot_compiles", lambda: True)
+    monkeypatch.setattr(probes, "describe_device", lambda: BLACKWELL)
     x, w, dy = layer(14, t=256, k=128, n=128)
     qa, qc = _gemm_operands(PRESETS["nvfp4_full"], x, w, dy, None)["fprop"]
     assert backends.native_supports(qa, qc)
     mx = quantize_mx(jnp.asarray(w.T)[None], elem="e2m1")
     assert not backends.native_supports(qa, mx)  # NVFP4 x MX
+    monkeypatch.setattr(probes, "nvfp4_scaled_dot_compiles", lambda: False)
+    assert not backends.native_supports(qa, qc)  # an XLA without E4M3 block scales (Hopper's)
+    monkeypatch.setattr(probes, "nvfp4_scaled_dot_compiles", lambda: True)
     monkeypatch.setattr(probes, "describe_device", lambda: GFX950)
     assert not backends.native_supports(qa, qc)  # gfx950's block-scaled GEMMs take E8M0 scales only
 
@@ -463,6 +472,8 @@ def test_the_resolved_execution_names_nvfp4_operands(monkeypatch):
 
     monkeypatch.setattr(backends, "check_backend", lambda *a, **k: None)
     monkeypatch.setattr("fp4jax.ops.kernels.probes.run_probes", lambda backend: None)
+    monkeypatch.setattr(probes, "nvfp4_scaled_dot_compiles", lambda: True)  # a Blackwell GPU's XLA
+    monkeypatch.setattr(probes, "describe_device", lambda: BLACKWELL)
     _, fp8 = resolve_execution("nvfp4_full", backend="fp8")
     _, native = resolve_execution("nvfp4_nvidia", backend="native")
     _, emulate = resolve_execution("nvfp4_full", backend="emulate")

@@ -43,6 +43,7 @@ __all__ = [
     "SCALE_EXP_MIN",
     "SCALE_NAN_BITS",
     "ElemFormat",
+    "divide_nearest_even",
     "float8_to_float32",
     "get_elem_format",
     "require_power_of_two",
@@ -158,3 +159,69 @@ def float8_to_float32(x: jax.Array) -> jax.Array:
     special = jnp.where(mantissa == 0, jnp.float32(jnp.inf), jnp.float32(jnp.nan))
     magnitude = jnp.where(magnitude > fmt.max_value, special, magnitude)
     return jnp.where(bits >= 0x80, -magnitude, magnitude)
+
+
+_QUOTIENT_BITS = 26  # the 24 of a float32 significand, a guard bit, and one for a quotient below 1
+
+
+def _unpack_finite(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(significand, exponent) of finite non-zero float32 magnitudes' bits: value = sig * 2^(exp - 23) with
+    sig in [2^23, 2^24), subnormals normalized (count leading zeros)."""
+    field = bits >> 23
+    fraction = bits & F32_MANTISSA_MASK
+    subnormal_shift = lax.clz(jnp.maximum(fraction, 1)) - 8  # moves the leading one to bit 23
+    sig = jnp.where(field == 0, fraction << subnormal_shift, fraction | 0x800000)
+    exp = jnp.where(field == 0, -126 - subnormal_shift, field - 127)
+    return sig, exp
+
+
+def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """numerator / denominator in float32, rounded to nearest even, computed with integer arithmetic.
+
+    Why: XLA:GPU lowers a float32 divide to PTX's div.full.f32 (up to 2 ulp off, and not the same
+    rounding as XLA:CPU's), so a quantizer whose scales come from a quotient (NVFP4's) would not
+    be bit-exact on GPUs. This is IEEE 754 division, subnormal results and overflow to inf included,
+    the same bits on every back end: a restoring long division of the significands into 26 quotient
+    bits, then one rounding with the remainder as sticky bit; zeros, infinities and NaNs by IEEE's table
+    (a NaN result is the quiet NaN 0x7FC00000). Both arguments float32 and broadcastable.
+    """
+    a = jnp.asarray(numerator, jnp.float32)
+    b = jnp.asarray(denominator, jnp.float32)
+    a, b = jnp.broadcast_arrays(a, b)
+    a_bits = lax.bitcast_convert_type(a, jnp.int32)
+    b_bits = lax.bitcast_convert_type(b, jnp.int32)
+    a_abs, b_abs = a_bits & F32_ABS_MASK, b_bits & F32_ABS_MASK
+    regular = (a_abs != 0) & (b_abs != 0) & (a_abs < F32_INF_BITS) & (b_abs < F32_INF_BITS)
+    a_sig, a_exp = _unpack_finite(jnp.where(regular, a_abs, 0x3F800000))
+    b_sig, b_exp = _unpack_finite(jnp.where(regular, b_abs, 0x3F800000))
+    below = a_sig < b_sig  # then shift the dividend so the quotient lies in [1, 2)
+    remainder = jnp.where(below, a_sig << 1, a_sig)
+    exponent = a_exp - b_exp - below.astype(jnp.int32)  # quotient = 1.f * 2^exponent
+    quotient = jnp.zeros_like(remainder)
+    for _ in range(_QUOTIENT_BITS):  # remainder < 2 * b_sig < 2^25: no overflow
+        take = remainder >= b_sig
+        quotient = (quotient << 1) | take.astype(jnp.int32)
+        remainder = (remainder - jnp.where(take, b_sig, 0)) << 1
+    # quotient holds 1.f in units of 2^(exponent - 25). Keep 24 bits (normal results) or the bits that
+    # reach 2^-149 (subnormal ones); round what is dropped to nearest even, the remainder breaking ties.
+    drop = jnp.clip(-exponent - 124, _QUOTIENT_BITS - 24, _QUOTIENT_BITS + 1)
+    kept = lax.shift_right_logical(quotient, drop)
+    dropped = quotient & ((1 << drop) - 1)
+    half = 1 << (drop - 1)
+    round_up = (dropped > half) | ((dropped == half) & ((remainder != 0) | ((kept & 1) == 1)))
+    kept = kept + round_up.astype(jnp.int32)
+    # Normal: the implicit bit of `kept` (2^23) adds one to the biased exponent, so use exponent + 126;
+    # a carry out of the significand moves to the next binade by the same addition. Subnormal: the
+    # bits are `kept` itself (reaching 2^23 is the smallest normal number, also right).
+    normal_bits = ((jnp.clip(exponent, -126, 128) + 126) << 23) + kept
+    magnitude_bits = jnp.where(exponent < -126, kept, jnp.minimum(normal_bits, F32_INF_BITS))
+    # Zeros and infinities by IEEE's table, not the hardware's divide: XLA:CPU flushes a subnormal
+    # numerator to zero first, so 1e-45 / 0 would be NaN there.
+    a_nan, b_nan = a_abs > F32_INF_BITS, b_abs > F32_INF_BITS
+    a_inf, b_inf = a_abs == F32_INF_BITS, b_abs == F32_INF_BITS
+    invalid = a_nan | b_nan | ((a_abs == 0) & (b_abs == 0)) | (a_inf & b_inf)
+    magnitude_bits = jnp.where(a_inf | (b_abs == 0), F32_INF_BITS, magnitude_bits)
+    magnitude_bits = jnp.where((a_abs == 0) | b_inf, 0, magnitude_bits)
+    magnitude_bits = jnp.where(invalid, 0x7FC00000, magnitude_bits)
+    sign = jnp.where(invalid, 0, (a_bits ^ b_bits) & F32_SIGN_MASK)
+    return lax.bitcast_convert_type(magnitude_bits | sign, jnp.float32)

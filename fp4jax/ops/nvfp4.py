@@ -10,8 +10,10 @@ reference), step for step in float32, as NVIDIA's NVFP4 pre-training recipe (arX
     q     = E2M1(min(|x * e_b|, 6)) with x's sign               nearest even, or stochastic
     value = (q * s_b) * S_dec                                   q * s_b exact, then one rounding
 
-Every float32 operation above rounds to nearest once (XLA's multiply, and its divide of two arrays of
-one shape, are IEEE on CPUs and GPUs; a divide by a broadcast value is not on XLA:CPU, so none is used).
+Every float32 operation above rounds to nearest once: XLA's multiplies are IEEE on CPUs and GPUs, its
+divides are not (XLA:GPU lowers them to div.full.f32, up to 2 ulp off; XLA:CPU turns a divide by a
+broadcast value into a multiply), so the three quotients are formats.divide_nearest_even, integer
+long division with IEEE rounding, the same bits everywhere.
 Float32 subnormals, which XLA's CPU back end flushes in arithmetic and a GPU may keep, are flushed to
 zero explicitly (inputs and intermediates), so every back end computes the same; for tensors with
 amax >= 2^-96 no intermediate is subnormal and the result is TE's (tests/test_nvfp4.py).
@@ -70,13 +72,13 @@ def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
     """S_enc = 448 * 6 / amax in float32: FLT_MAX where that overflows, 1 where amax is 0 (TE's rule)."""
     a = jnp.asarray(tensor_amax, jnp.float32)
     positive = a > 0
-    quotient = jnp.float32(_E4M3_MAX * _E2M1_MAX) / jnp.where(positive, a, 1.0)
+    quotient = formats.divide_nearest_even(jnp.float32(_E4M3_MAX * _E2M1_MAX), jnp.where(positive, a, 1.0))
     return jnp.where(positive, jnp.minimum(quotient, _F32_MAX), jnp.float32(1.0))
 
 
 def _decode_scale(global_scale: jax.Array) -> jax.Array:
     """S_dec = float32(1 / S_enc), flushed to zero below the normal range."""
-    return flush_subnormal(jnp.float32(1.0) / global_scale)
+    return flush_subnormal(formats.divide_nearest_even(jnp.float32(1.0), global_scale))
 
 
 @jax.tree_util.register_dataclass
@@ -164,7 +166,7 @@ def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.A
     s_b = s_b.astype(jnp.float8_e4m3fn)  # round to nearest even; the clip above is the saturation
     # Decoded from its bits: s_b.astype(float32) would let XLA:GPU fold the rounding away (formats.py).
     block_decode = flush_subnormal(formats.float8_to_float32(s_b) * _decode_scale(global_scale))
-    return s_b, jnp.minimum(jnp.float32(1.0) / block_decode, _F32_MAX)  # 1 / 0 = inf -> FLT_MAX
+    return s_b, jnp.minimum(formats.divide_nearest_even(jnp.float32(1.0), block_decode), _F32_MAX)  # 1/0 -> FLT_MAX
 
 
 def quantize_nvfp4(

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.ops import nvfp4
-from fp4jax.ops.formats import float8_to_float32
+from fp4jax.ops.formats import divide_nearest_even, float8_to_float32
 from fp4jax.ops.kernels import fold, probes
 from fp4jax.ops.kernels.probes import (
     NATIVE_BLOCK_SIZE,
@@ -153,7 +153,8 @@ def _nvfp4_input(operand):
     if isinstance(operand, nvfp4.NVFP4Array):
         return operand.block_values(jnp.bfloat16), operand.decode_scale()
     if isinstance(operand, FP8Array):
-        return float8_to_float32(operand.data).astype(jnp.bfloat16), jnp.float32(1.0) / operand.scale
+        # 1 / scale rounded as IEEE does it, not as a GPU's divide (formats.divide_nearest_even).
+        return float8_to_float32(operand.data).astype(jnp.bfloat16), divide_nearest_even(1.0, operand.scale)
     if isinstance(operand, MXArray):
         return operand.dequantize(jnp.bfloat16), None
     return operand, None
