@@ -61,6 +61,7 @@ F32_MANTISSA_MASK = 0x7FFFFF
 F32_ABS_MASK = 0x7FFFFFFF
 F32_SIGN_MASK = -0x80000000  # 0x80000000 as an int32
 F32_INF_BITS = 0x7F800000
+_F32_MIN_NORMAL_BITS = 0x00800000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,67 +162,64 @@ def float8_to_float32(x: jax.Array) -> jax.Array:
     return jnp.where(bits >= 0x80, -magnitude, magnitude)
 
 
-_QUOTIENT_BITS = 26  # the 24 of a float32 significand, a guard bit, and one for a quotient below 1
-
-
-def _unpack_finite(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(significand, exponent) of finite non-zero float32 magnitudes' bits: value = sig * 2^(exp - 23) with
-    sig in [2^23, 2^24), subnormals normalized (count leading zeros)."""
-    field = bits >> 23
-    fraction = bits & F32_MANTISSA_MASK
-    subnormal_shift = lax.clz(jnp.maximum(fraction, 1)) - 8  # moves the leading one to bit 23
-    sig = jnp.where(field == 0, fraction << subnormal_shift, fraction | 0x800000)
-    exp = jnp.where(field == 0, -126 - subnormal_shift, field - 127)
-    return sig, exp
-
-
 def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """numerator / denominator in float32, rounded to nearest even, computed with integer arithmetic.
+    """numerator / denominator in float32 as IEEE 754 rounds it (to nearest even) in flush-to-zero mode:
+    subnormal inputs count as zero and subnormal results become a zero of their sign. The same bits on
+    every back end.
 
-    Why: XLA:GPU lowers a float32 divide to PTX's div.full.f32 (up to 2 ulp off, and not the same
-    rounding as XLA:CPU's), so a quantizer whose scales come from a quotient (NVFP4's) would not
-    be bit-exact on GPUs. This is IEEE 754 division, subnormal results and overflow to inf included,
-    the same bits on every back end: a restoring long division of the significands into 26 quotient
-    bits, then one rounding with the remainder as sticky bit; zeros, infinities and NaNs by IEEE's table
-    (a NaN result is the quiet NaN 0x7FC00000). Both arguments float32 and broadcastable.
+    Why: XLA:GPU lowers a float32 divide to PTX's div.full.f32 (up to 2 ulp from IEEE), XLA:CPU to an
+    IEEE one, so a quantizer whose scales are quotients (NVFP4's) would differ between them. Here the
+    quotient's binade comes from comparing the significands; its 24 significant bits are estimated with
+    the back end's divide and corrected with the exact integer remainder (computed modulo 2^32, exact
+    because it is small), then rounded once. Flush-to-zero is XLA:CPU's own arithmetic and costs less
+    code than gradual underflow; zeros, infinities and NaNs follow IEEE's table (NaN as 0x7FC00000).
+    Both arguments float32 and broadcastable.
     """
     a = jnp.asarray(numerator, jnp.float32)
     b = jnp.asarray(denominator, jnp.float32)
     a, b = jnp.broadcast_arrays(a, b)
     a_bits = lax.bitcast_convert_type(a, jnp.int32)
     b_bits = lax.bitcast_convert_type(b, jnp.int32)
-    a_abs, b_abs = a_bits & F32_ABS_MASK, b_bits & F32_ABS_MASK
-    regular = (a_abs != 0) & (b_abs != 0) & (a_abs < F32_INF_BITS) & (b_abs < F32_INF_BITS)
-    a_sig, a_exp = _unpack_finite(jnp.where(regular, a_abs, 0x3F800000))
-    b_sig, b_exp = _unpack_finite(jnp.where(regular, b_abs, 0x3F800000))
-    below = a_sig < b_sig  # then shift the dividend so the quotient lies in [1, 2)
-    remainder = jnp.where(below, a_sig << 1, a_sig)
-    exponent = a_exp - b_exp - below.astype(jnp.int32)  # quotient = 1.f * 2^exponent
-    quotient = jnp.zeros_like(remainder)
-    for _ in range(_QUOTIENT_BITS):  # remainder < 2 * b_sig < 2^25: no overflow
-        take = remainder >= b_sig
-        quotient = (quotient << 1) | take.astype(jnp.int32)
-        remainder = (remainder - jnp.where(take, b_sig, 0)) << 1
-    # quotient holds 1.f in units of 2^(exponent - 25). Keep 24 bits (normal results) or the bits that
-    # reach 2^-149 (subnormal ones); round what is dropped to nearest even, the remainder breaking ties.
-    drop = jnp.clip(-exponent - 124, _QUOTIENT_BITS - 24, _QUOTIENT_BITS + 1)
-    kept = lax.shift_right_logical(quotient, drop)
-    dropped = quotient & ((1 << drop) - 1)
-    half = 1 << (drop - 1)
-    round_up = (dropped > half) | ((dropped == half) & ((remainder != 0) | ((kept & 1) == 1)))
-    kept = kept + round_up.astype(jnp.int32)
-    # Normal: the implicit bit of `kept` (2^23) adds one to the biased exponent, so use exponent + 126;
-    # a carry out of the significand moves to the next binade by the same addition. Subnormal: the
-    # bits are `kept` itself (reaching 2^23 is the smallest normal number, also right).
-    normal_bits = ((jnp.clip(exponent, -126, 128) + 126) << 23) + kept
-    magnitude_bits = jnp.where(exponent < -126, kept, jnp.minimum(normal_bits, F32_INF_BITS))
-    # Zeros and infinities by IEEE's table, not the hardware's divide: XLA:CPU flushes a subnormal
-    # numerator to zero first, so 1e-45 / 0 would be NaN there.
-    a_nan, b_nan = a_abs > F32_INF_BITS, b_abs > F32_INF_BITS
-    a_inf, b_inf = a_abs == F32_INF_BITS, b_abs == F32_INF_BITS
-    invalid = a_nan | b_nan | ((a_abs == 0) & (b_abs == 0)) | (a_inf & b_inf)
-    magnitude_bits = jnp.where(a_inf | (b_abs == 0), F32_INF_BITS, magnitude_bits)
-    magnitude_bits = jnp.where((a_abs == 0) | b_inf, 0, magnitude_bits)
-    magnitude_bits = jnp.where(invalid, 0x7FC00000, magnitude_bits)
-    sign = jnp.where(invalid, 0, (a_bits ^ b_bits) & F32_SIGN_MASK)
-    return lax.bitcast_convert_type(magnitude_bits | sign, jnp.float32)
+    a_field, b_field = (a_bits >> 23) & 0xFF, (b_bits >> 23) & 0xFF  # biased exponents; 0: zero (flushed)
+    a_sig = (a_bits & F32_MANTISSA_MASK) | 0x800000
+    b_sig = (b_bits & F32_MANTISSA_MASK) | 0x800000
+    below = a_sig < b_sig  # then double the dividend, so that a_sig / b_sig lies in [1, 2)
+    a_sig = jnp.where(below, a_sig << 1, a_sig)  # < 2^25, and even when doubled: exact in float32
+    exponent = a_field - b_field - below.astype(jnp.int32)  # quotient = (a_sig / b_sig) * 2^exponent
+
+    # sig = floor(a_sig * 2^23 / b_sig) in [2^23, 2^24) and remainder = a_sig * 2^23 - sig * b_sig in
+    # [0, b_sig). The divide's estimate is a few units off (2 ulp for div.full.f32); the remainder, in
+    # wrapping uint32 arithmetic, is exact since its true magnitude is below 2^27; one float step takes
+    # it to within one b_sig of the target, one integer step each way the rest.
+    sig = jnp.floor(a_sig.astype(jnp.float32) / b_sig.astype(jnp.float32) * jnp.float32(2.0**23))
+    sig = sig.astype(jnp.int32)
+    wide = (a_sig.astype(jnp.uint32) << 23) - sig.astype(jnp.uint32) * b_sig.astype(jnp.uint32)
+    remainder = lax.bitcast_convert_type(wide, jnp.int32)
+    steps = jnp.floor(remainder.astype(jnp.float32) / b_sig.astype(jnp.float32)).astype(jnp.int32)
+    sig, remainder = sig + steps, remainder - steps * b_sig
+    low = remainder < 0
+    sig, remainder = sig - low, remainder + jnp.where(low, b_sig, 0)
+    high = remainder >= b_sig
+    sig, remainder = sig + high, remainder - jnp.where(high, b_sig, 0)
+
+    # The biased exponent is exponent + 127; the implicit bit of sig (2^23) adds the 1 to exponent + 126,
+    # and a carry out of the rounding moves to the next binade by the same addition. Exact halves cannot
+    # occur for normal results. A quotient just below the normal range that IEEE rounds up to 2^-126:
+    # exponent -127 with sig = 2^24 - 1.
+    round_up = (2 * remainder > b_sig) | ((2 * remainder == b_sig) & ((sig & 1) == 1))
+    normal_bits = ((jnp.clip(exponent, -126, 128) + 126) << 23) + sig + round_up.astype(jnp.int32)
+    magnitude_bits = jnp.minimum(normal_bits, F32_INF_BITS)
+    rounds_to_normal = (exponent == -127) & (sig == (1 << 24) - 1)
+    below_normal_bits = jnp.where(rounds_to_normal, _F32_MIN_NORMAL_BITS, 0)
+    magnitude_bits = jnp.where(exponent < -126, below_normal_bits, magnitude_bits)
+
+    # Zeros (flushed subnormals too), infinities and NaNs by IEEE's table.
+    a_zero, b_zero = a_field == 0, b_field == 0
+    a_inf, b_inf = (a_bits & F32_ABS_MASK) == F32_INF_BITS, (b_bits & F32_ABS_MASK) == F32_INF_BITS
+    nan = ((a_bits & F32_ABS_MASK) > F32_INF_BITS) | ((b_bits & F32_ABS_MASK) > F32_INF_BITS)
+    nan = nan | (a_zero & b_zero) | (a_inf & b_inf)
+    magnitude_bits = jnp.where(a_inf | b_zero, F32_INF_BITS, magnitude_bits)
+    magnitude_bits = jnp.where(a_zero | b_inf, 0, magnitude_bits)
+    sign = (a_bits ^ b_bits) & F32_SIGN_MASK
+    bits = jnp.where(nan, 0x7FC00000, magnitude_bits | sign)
+    return lax.bitcast_convert_type(bits, jnp.float32)

@@ -12,8 +12,8 @@ reference), step for step in float32, as NVIDIA's NVFP4 pre-training recipe (arX
 
 Every float32 operation above rounds to nearest once: XLA's multiplies are IEEE on CPUs and GPUs, its
 divides are not (XLA:GPU lowers them to div.full.f32, up to 2 ulp off; XLA:CPU turns a divide by a
-broadcast value into a multiply), so the three quotients are formats.divide_nearest_even, integer
-long division with IEEE rounding, the same bits everywhere.
+broadcast value into a multiply), so the three quotients are formats.divide_nearest_even: IEEE
+division (flush-to-zero) from the back end's estimate corrected in integers, the same bits everywhere.
 Float32 subnormals, which XLA's CPU back end flushes in arithmetic and a GPU may keep, are flushed to
 zero explicitly (inputs and intermediates), so every back end computes the same; for tensors with
 amax >= 2^-96 no intermediate is subnormal and the result is TE's (tests/test_nvfp4.py).
@@ -166,7 +166,8 @@ def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.A
     s_b = s_b.astype(jnp.float8_e4m3fn)  # round to nearest even; the clip above is the saturation
     # Decoded from its bits: s_b.astype(float32) would let XLA:GPU fold the rounding away (formats.py).
     block_decode = flush_subnormal(formats.float8_to_float32(s_b) * _decode_scale(global_scale))
-    return s_b, jnp.minimum(formats.divide_nearest_even(jnp.float32(1.0), block_decode), _F32_MAX)  # 1/0 -> FLT_MAX
+    encode = formats.divide_nearest_even(jnp.float32(1.0), block_decode)  # 1 / 0 = inf -> FLT_MAX below
+    return s_b, jnp.minimum(encode, _F32_MAX)
 
 
 def quantize_nvfp4(
