@@ -1,8 +1,9 @@
 """A tiny training run per block format through the trainer (tests/tiny_runs.py: tiny_c4 shrunk).
 
-NVIDIA's NVFP4 recipe runs in the default lane with its final block in BF16 (the model's
-`bf16_last_blocks`, how the recipe keeps its last layers in high precision); the other formats' full
-rungs (MXFP6 E2M3 and E3M2, MXFP8, NVFP4) in the long lane. Each: the loss is finite at every update
+MXFP6 E2M3's full rung runs in the default lane; NVIDIA's NVFP4 recipe (its final block in BF16, the
+model's `bf16_last_blocks`, how the recipe keeps its last layers in high precision) and the other
+formats' full rungs (NVFP4, MXFP6 E3M2, MXFP8) in the long lane: NVFP4's exact scale quotients
+(formats.divide_nearest_even) make its step compile in about 17 s on the CPU, against 3 s for MXFP6. Each: the loss is finite at every update
 and falls, and the run's summary records the recipe and the resolved back end.
 """
 
@@ -25,7 +26,7 @@ RUNS = [
 ]
 
 
-@long_lane.parametrize("recipe, overrides", RUNS)
+@long_lane.parametrize("recipe, overrides", RUNS, default=[2])
 def test_tiny_run_trains(tmp_path, token_cache, recipe, overrides):
     quiet = {"checkpoint_every_steps": 0, "eval_every_sequences": 10**9}
     train(tiny_config(token_cache, recipe=recipe, **quiet, **overrides), str(tmp_path))
