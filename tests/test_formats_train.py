@@ -3,8 +3,9 @@
 MXFP6 E2M3's full rung runs in the default lane; NVIDIA's NVFP4 recipe (its final block in BF16, the
 model's `bf16_last_blocks`, how the recipe keeps its last layers in high precision) and the other
 formats' full rungs (NVFP4, MXFP6 E3M2, MXFP8) in the long lane: NVFP4's exact scale quotients
-(formats.divide_nearest_even) make its step compile in about 17 s on the CPU, against 3 s for MXFP6. Each: the loss is finite at every update
-and falls, and the run's summary records the recipe and the resolved back end.
+(formats.divide_nearest_even) make its step compile in about 17 s on the CPU, against 3 s for MXFP6.
+Each: the loss is finite at every update and falls, and the run's summary records the recipe and the
+resolved back end.
 """
 
 import json
