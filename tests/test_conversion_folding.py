@@ -217,7 +217,7 @@ def _written_and_off_divided(f, *args):
     return run(None), run(_divide_off_by_one_ulp)
 
 
-@pytest.mark.parametrize("name", ["nvfp4_full", "nvfp4_nvidia"])
+@long_lane.parametrize("name", ["nvfp4_full", "nvfp4_nvidia"])
 def test_nvfp4_does_not_depend_on_the_divides_rounding(name):
     """NVFP4's scales are quotients; they must be IEEE's on every back end (formats.divide_nearest_even)."""
     x, w, dy = _operands()
