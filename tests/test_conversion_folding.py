@@ -87,15 +87,17 @@ def _evaluate(jaxpr, consts, args, sources, fold: bool, divide=None):
     return [read(v) for v in jaxpr.outvars]
 
 
-def _both_ways(f, *args):
-    """(f's outputs as written, f's outputs with the float-conversion chains folded) on the CPU: the
-    evaluator traced under jit both ways, so the two programs differ only in the folded conversions."""
+def _evaluated(f, *args, fold: bool = False, divide=None):
+    """f's outputs from the evaluator traced under jit on the CPU (folding conversions, replacing divides as
+    _evaluate does), so that two calls' programs differ only in what they change."""
     closed = jax.make_jaxpr(f)(*args)
     flat = jax.tree.leaves(args)
-    run = lambda fold: jax.jit(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, [None] * len(a), fold))(
-        *flat
-    )
-    return run(False), run(True)
+    return jax.jit(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, [None] * len(a), fold, divide))(*flat)
+
+
+def _both_ways(f, *args):
+    """(f's outputs as written, f's outputs with the float-conversion chains folded)."""
+    return _evaluated(f, *args), _evaluated(f, *args, fold=True)
 
 
 def _assert_same_bits(written, folded, what):
@@ -112,6 +114,12 @@ def _operands():
     w = rng.standard_normal((64, 48)) * 0.1
     dy = rng.standard_normal((32, 48))
     return (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
+
+
+def _fp8_meta(recipe):
+    """Amax histories for a delayed-scaling FP8 recipe, one value per operand."""
+    n = recipe.fp8_amax_history_len
+    return {k: jnp.full((n,), v, jnp.float32) for k, v in (("lhs", 30.0), ("rhs", 0.3), ("grad", 3.0))}
 
 
 def _fwd_bwd(recipe, dy, meta=None):
@@ -139,10 +147,7 @@ def test_presets_do_not_depend_on_folded_conversions(name, backend):
     does not fold, its own fold otherwise)."""
     recipe = dataclasses.replace(PRESETS[name], backend=backend)
     x, w, dy = _operands()
-    meta = None
-    if recipe.uses_delayed_fp8:
-        n = recipe.fp8_amax_history_len
-        meta = {k: jnp.full((n,), v, jnp.float32) for k, v in (("lhs", 30.0), ("rhs", 0.3), ("grad", 3.0))}
+    meta = _fp8_meta(recipe) if recipe.uses_delayed_fp8 else None
     _assert_same_bits(*_both_ways(_fwd_bwd(recipe, dy, meta), x, w), f"{name} on {backend}")
 
 
@@ -202,19 +207,22 @@ def test_float8_to_float32_rejects_other_dtypes():
 # Divides: XLA:GPU lowers a float32 divide to div.full.f32 (up to 2 ulp from IEEE), XLA:CPU to IEEE.
 
 
-def _divide_off_by_one_ulp(a, b):
-    """A divide that is never IEEE's: every finite non-zero quotient moved one ulp up."""
-    q = a / b
-    return jnp.where(jnp.isfinite(q) & (q != 0), jnp.nextafter(q, jnp.float32(jnp.inf)), q)
+def divide_off_by(ulps: int):
+    """A divide that is never IEEE's: every finite non-zero quotient moved `ulps` (up if > 0, towards zero
+    if < 0)."""
+
+    def divide(a, b):
+        q = a / b
+        moved = q
+        for _ in range(abs(ulps)):
+            moved = jnp.nextafter(moved, jnp.float32(jnp.inf if ulps > 0 else 0))
+        return jnp.where(jnp.isfinite(q) & (q != 0), moved, q)
+
+    return divide
 
 
 def _written_and_off_divided(f, *args):
-    closed = jax.make_jaxpr(f)(*args)
-    flat = jax.tree.leaves(args)
-    run = lambda divide: jax.jit(
-        lambda *a: _evaluate(closed.jaxpr, closed.consts, a, [None] * len(a), False, divide)
-    )(*flat)
-    return run(None), run(_divide_off_by_one_ulp)
+    return _evaluated(f, *args), _evaluated(f, *args, divide=divide_off_by(1))
 
 
 @long_lane.parametrize("name", ["nvfp4_full", "nvfp4_nvidia"])
@@ -233,10 +241,8 @@ def test_nvfp4_does_not_depend_on_the_divides_rounding(name):
 )
 def test_the_fp8_baseline_does_not_depend_on_the_divides_rounding():
     recipe = PRESETS["fp8_mlperf"]
-    n = recipe.fp8_amax_history_len
-    meta = {k: jnp.full((n,), v, jnp.float32) for k, v in (("lhs", 30.0), ("rhs", 0.3), ("grad", 3.0))}
     x, w, dy = _operands()
-    _assert_same_bits(*_written_and_off_divided(_fwd_bwd(recipe, dy, meta), x, w), "fp8_mlperf")
+    _assert_same_bits(*_written_and_off_divided(_fwd_bwd(recipe, dy, _fp8_meta(recipe)), x, w), "fp8_mlperf")
 
 
 @pytest.mark.parametrize("case", ["odd_scales", "tiny_2^-90", "random"])

@@ -9,7 +9,6 @@ to float32 (double rounding is harmless for division when 53 >= 2 * 24 + 2).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -122,13 +121,7 @@ _NEEDS_THE_LAST_STEP = [
 def test_a_divide_off_by_two_ulps_changes_nothing(ulps):
     """The estimate comes from the back end's own divide; PTX's div.full.f32 is within 2 ulp of IEEE. The
     function evaluated with every float32 divide in it moved `ulps` must still give IEEE's bits."""
-    from test_conversion_folding import _evaluate
-
-    def off(x, y):  # the divides inside divide_nearest_even see positive operands only
-        q = x / y
-        for _ in range(abs(ulps)):
-            q = jnp.nextafter(q, jnp.float32(jnp.inf if ulps > 0 else 0))
-        return q
+    from test_conversion_folding import _evaluated, divide_off_by
 
     rng = np.random.default_rng(7)
     a, b = (rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32) for _ in "ab")
@@ -140,8 +133,7 @@ def test_a_divide_off_by_two_ulps_changes_nothing(ulps):
     a, b = np.concatenate([a, pairs[:, 0]]), np.concatenate([b, pairs[:, 1]])
     closed = jax.make_jaxpr(divide_nearest_even)(a, b)
     assert any(e.primitive.name == "div" for e in closed.jaxpr.eqns)  # the estimate's divide is there
-    evaluate = lambda x, y: _evaluate(closed.jaxpr, closed.consts, [x, y], [None, None], False, off)
-    got = np.asarray(jax.jit(evaluate)(a, b)[0])
+    got = np.asarray(_evaluated(divide_nearest_even, a, b, divide=divide_off_by(ulps))[0])
     want = _ieee(a, b)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)

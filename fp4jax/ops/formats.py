@@ -180,6 +180,7 @@ def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Arr
     a, b = jnp.broadcast_arrays(a, b)
     a_bits = lax.bitcast_convert_type(a, jnp.int32)
     b_bits = lax.bitcast_convert_type(b, jnp.int32)
+    a_abs, b_abs = a_bits & F32_ABS_MASK, b_bits & F32_ABS_MASK
     a_field, b_field = (a_bits >> 23) & 0xFF, (b_bits >> 23) & 0xFF  # biased exponents; 0: zero (flushed)
     a_sig = (a_bits & F32_MANTISSA_MASK) | 0x800000
     b_sig = (b_bits & F32_MANTISSA_MASK) | 0x800000
@@ -215,9 +216,8 @@ def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Arr
 
     # Zeros (flushed subnormals too), infinities and NaNs by IEEE's table.
     a_zero, b_zero = a_field == 0, b_field == 0
-    a_inf, b_inf = (a_bits & F32_ABS_MASK) == F32_INF_BITS, (b_bits & F32_ABS_MASK) == F32_INF_BITS
-    nan = ((a_bits & F32_ABS_MASK) > F32_INF_BITS) | ((b_bits & F32_ABS_MASK) > F32_INF_BITS)
-    nan = nan | (a_zero & b_zero) | (a_inf & b_inf)
+    a_inf, b_inf = a_abs == F32_INF_BITS, b_abs == F32_INF_BITS
+    nan = (a_abs > F32_INF_BITS) | (b_abs > F32_INF_BITS) | (a_zero & b_zero) | (a_inf & b_inf)
     magnitude_bits = jnp.where(a_inf | b_zero, F32_INF_BITS, magnitude_bits)
     magnitude_bits = jnp.where(a_zero | b_inf, 0, magnitude_bits)
     sign = (a_bits ^ b_bits) & F32_SIGN_MASK
