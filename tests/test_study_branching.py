@@ -206,6 +206,7 @@ def test_the_report_judges_the_claims_per_branch_step_with_trunks_as_blocks(
     assert study_cli.main(report) == 0
     one = json.loads((out / "branches_claims_at4.json").read_text())
     assert one["df"] == 0 and {v["verdict"] for v in one["verdicts"].values()} == {"not yet estimable"}
+    assert one["interim"] and "fp8/seed1" in one["cells_pending"]  # trunks 1 and 2 are planned
 
     plan.run_plan(ladder, root, budget_minutes=5, log=lambda line: None)
     assert study_cli.main(report) == 0

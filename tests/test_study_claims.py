@@ -90,6 +90,24 @@ def test_missing_arms_make_an_interim_analysis_and_verdicts_that_say_what_they_n
     assert "Interim: arms not yet run" in claims.to_markdown(result)
 
 
+def test_planned_seeds_not_yet_ended_make_the_analysis_interim_but_a_diverged_run_does_not():
+    stretch = {arm: 1.0 for arm in ARMS}
+    two_seeds = claims.analyze(_runs(stretch, seeds=(0, 1)), "fp8", ARMS, last_k=5, seeds=(0, 1, 2))
+    assert two_seeds["interim"] and two_seeds["arms_missing"] == []
+    assert two_seeds["cells_pending"] == [f"{arm}/seed2" for arm in ARMS]
+    assert two_seeds["df"] == 7  # the verdicts are computed, on the blocks present
+    assert "Interim: planned runs not yet ended: fp8/seed2" in claims.to_markdown(two_seeds)
+
+    every = _runs(stretch)
+    every[-1] = analysis.StudyRun(**{**every[-1].__dict__, "status": "unfinished"})
+    result = claims.analyze(every, "fp8", ARMS, last_k=5, seeds=(0, 1, 2))
+    assert result["cells_pending"] == [f"{ARMS[-1]}/seed2"] and result["interim"]
+    every[-1] = analysis.StudyRun(**{**every[-1].__dict__, "status": "diverged"})
+    result = claims.analyze(every, "fp8", ARMS, last_k=5, seeds=(0, 1, 2))
+    assert result["cells_pending"] == [] and not result["interim"]
+    assert "Interim" not in claims.to_markdown(result)
+
+
 def test_a_diverged_run_is_excluded_and_listed():
     runs = _runs({"fp8": 1.0, "full": 1.1})
     broken = runs[-1]

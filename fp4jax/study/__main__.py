@@ -127,7 +127,8 @@ def write_claims(the_plan, root: str, out: str | None) -> None:
                 seen.add((run.rung, run.seed))
                 pooled.append(run)
     last_k = next((s.gate["last_evals"] for s in stages if s.gate), claims.DEFAULT_LAST_K)
-    result = claims.analyze(pooled, stages[0].baseline, arms, last_k)
+    seeds = sorted(set().union(*(s.seeds for s in stages)))
+    result = claims.analyze(pooled, stages[0].baseline, arms, last_k, seeds=seeds)
     print(claims.to_markdown(result))
     if out:
         base = os.path.join(out, "claims")
@@ -181,7 +182,7 @@ def _branch_report(stage, sroot: str, out: str | None) -> None:
         cells, _, _ = claims.primary_cells(found, claims.DEFAULT_LAST_K)
         if not any(arm == stage.baseline for arm, _ in cells):
             continue  # no baseline branch from this step has ended yet
-        claimed = claims.analyze(found, stage.baseline, list(stage.arms), claims.DEFAULT_LAST_K)
+        claimed = claims.analyze(found, stage.baseline, list(stage.arms), claims.DEFAULT_LAST_K, stage.seeds)
         text = f"Branched at step {at} (rows: arms; blocks: trunks).\n\n" + claims.to_markdown(claimed)
         print(text)
         if out:

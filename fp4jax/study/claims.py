@@ -12,7 +12,9 @@ Invariants:
   later change neither its pooled variance nor its degrees of freedom; the literature's contrasts (C8, C9
   and their companions) are reported outside it, with no verdict, from a second fit over every arm
   present (its own pooled sd and df, `reported_model`); while some arms are missing the analysis is
-  marked interim and every verdict that needs a missing arm says so;
+  marked interim and every verdict that needs a missing arm says so; so is it while a planned cell (an
+  arm present, a planned seed) has not ended, since its verdicts then rest on fewer blocks than planned
+  (a diverged or failed run is an outcome, listed under excluded, not pending);
 - token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
   runs' tokens (stats.iso_loss_overhead).
 """
@@ -106,10 +108,19 @@ def _fit(cells: dict, arms: list[str]) -> stats.AdditiveFit:
     return stats.fit_additive(y, arm_names, blocks)
 
 
-def analyze(study_runs, baseline: str, arms, last_k: int) -> dict:
-    """Every number of the pre-registered analysis as JSON-ready data (see the module docstring)."""
+def _pending_cells(cells: dict, excluded: list[dict], present: list[str], seeds) -> list[str]:
+    """"arm/seed<k>" of the planned cells of the arms present that have neither ended nor failed."""
+    ended_badly = {(e["arm"], f"seed{e['seed']}") for e in excluded if e["status"] in ("diverged", "failed")}
+    settled = set(cells) | ended_badly  # plan.progress counts these as done too
+    return [f"{a}/seed{k}" for a in present for k in seeds if (a, f"seed{k}") not in settled]
+
+
+def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
+    """Every number of the pre-registered analysis as JSON-ready data (see the module docstring).
+    seeds: the planned blocks; a planned cell not yet ended makes the analysis interim."""
     cells, tokens, excluded = primary_cells(study_runs, last_k)
     present = [a for a in arms if any(arm == a for arm, _ in cells)]
+    pending = _pending_cells(cells, excluded, present, seeds)
     family_arms = [a for a in present if a in FAMILY_ARMS or a == baseline]
     fit = _fit(cells, family_arms)
     every_fit = fit if family_arms == present else _fit(cells, present)
@@ -140,7 +151,8 @@ def analyze(study_runs, baseline: str, arms, last_k: int) -> dict:
         "arms": list(arms),
         "arms_present": present,
         "arms_missing": [a for a in arms if a not in present],
-        "interim": any(a not in present for a in arms),
+        "cells_pending": pending,
+        "interim": any(a not in present for a in arms) or bool(pending),
         "cells": {f"{a}/{b}": v for (a, b), v in sorted(cells.items())},
         "excluded": excluded,
         "pooled_sd": None if fit.sigma2 is None else math.sqrt(fit.sigma2),
@@ -278,8 +290,13 @@ def to_markdown(result: dict) -> str:
             f"Rows of {', '.join(other)} (and the literature's contrasts): the same model over every arm, "
             f"pooled residual sd {_nats(model['pooled_sd'])} ({model['df']} df)."
         )
-    if result["interim"]:
+    if result["arms_missing"]:
         lines.append(f"Interim: arms not yet run: {', '.join(result['arms_missing'])}.")
+    if result.get("cells_pending"):
+        lines.append(
+            f"Interim: planned runs not yet ended: {', '.join(result['cells_pending'])}; "
+            "the verdicts below may change when they have."
+        )
     head = "| {} | weights | loss difference, nats [95 %] | token overhead [95 %] | p |"
     lines += ["", head.format("arm"), "|---|---|---|---|---|"]
     lines += [_row(r, holm=False) for r in result["versus_baseline"]]
