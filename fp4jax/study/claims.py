@@ -109,7 +109,7 @@ def _fit(cells: dict, arms: list[str]) -> stats.AdditiveFit:
 
 
 def _pending_cells(cells: dict, excluded: list[dict], present: list[str], seeds) -> list[str]:
-    """"arm/seed<k>" of the planned cells of the arms present that have neither ended nor failed."""
+    """The planned cells ("arm/seed<k>") of the arms present that have neither ended nor failed."""
     ended_badly = {(e["arm"], f"seed{e['seed']}") for e in excluded if e["status"] in ("diverged", "failed")}
     settled = set(cells) | ended_badly  # plan.progress counts these as done too
     return [f"{a}/seed{k}" for a in present for k in seeds if (a, f"seed{k}") not in settled]
