@@ -8,9 +8,10 @@ for NVFP4, quantize_fp8 for FP8), it reports the amortized time per call (harnes
 cycling over three inputs), the effective bandwidth (bf16 bytes read + the device's bytes written, over
 the time) and what one element costs in storage, every array of the result counted (data, block scales,
 tensor scales): the dtypes' bits, and the bytes the device holds (`on_device_size_in_bytes`: 8 bits for
-a 4-bit dtype unless the platform packs it). This is the XLA quantizer every format has; the fused
-Pallas quantizer (MXFP4 only) is timed by bench_quantize.py. Deterministic rounding only (stochastic:
---rounding in bench_quantize.py).
+a 4-bit dtype unless the platform packs it). This is the XLA quantizer every format has. For the MX
+formats the last columns time the fused Pallas quantizer too (`rotate_quantize(impl="pallas")`, where
+`pallas_supports` says it runs, else "-") and check that its bits are quantize_operand's. Deterministic
+rounding only (stochastic: --rounding in bench_quantize.py, which times the fused kernels' layouts).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import argparse
 import harness  # benchmarks/harness.py (this folder is on sys.path)
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from fp4jax.ops import QuantSpec, quantize_operand
+from fp4jax.ops import QuantSpec, RotationSpec, pallas_supports, quantize_operand, rotate_quantize
 
 FORMATS = {
     "mxfp4 (E2M1)": QuantSpec(kind="mx", elem="e2m1", scale_mode="even"),
@@ -55,16 +57,34 @@ def bench_shape(rows: int, cols: int, calls: int) -> list[list[str]]:
     n = rows * cols
     shape = f"{rows}x{cols}"
     copy_row = [shape, "copy ceiling (x * 2)", f"{copy * 1e6:.1f}", "16", "2.000"]
-    table = [[*copy_row, f"{4 * n / copy / 1e12:.2f}"]]
+    table = [[*copy_row, f"{4 * n / copy / 1e12:.2f}", "", "", ""]]
     for name, spec in FORMATS.items():
         fn = jax.jit(lambda x, spec=spec: quantize_operand(x, spec, None, None))
         seconds = harness.amortized_seconds(fn, inputs, calls)
-        bits, device_bytes = storage(fn(*inputs[0]))
+        result = fn(*inputs[0])
+        bits, device_bytes = storage(result)
         speed = (2 * n + device_bytes) / seconds / 1e12
         per_element = [f"{bits / n:.3f}", f"{device_bytes / n:.3f}"]
-        table.append([shape, name, f"{seconds * 1e6:.1f}", *per_element, f"{speed:.2f}"])
+        fused = _fused(spec, inputs, calls, result, 2 * n + device_bytes)
+        table.append([shape, name, f"{seconds * 1e6:.1f}", *per_element, f"{speed:.2f}", *fused])
         print(" | ".join(table[-1]), flush=True)
     return table
+
+
+def _fused(spec: QuantSpec, inputs, calls: int, reference, moved_bytes: int) -> list[str]:
+    """[us, TB/s, same bits] of the fused Pallas quantizer on this MX operand, or dashes where it does
+    not run (another format, another platform, partial tiles)."""
+    shape = inputs[0][0].shape
+    if spec.kind != "mx" or not pallas_supports(shape, -1, spec, RotationSpec()):
+        return ["-", "-", "-"]
+    fn = jax.jit(lambda x: rotate_quantize(x, axis=-1, spec=spec, out="mx", impl="pallas"))
+    seconds = harness.amortized_seconds(fn, inputs, calls)
+    got = fn(*inputs[0])
+    same = all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        for a, b in ((got.data, reference.data), (got.scale, reference.scale))
+    )
+    return [f"{seconds * 1e6:.1f}", f"{moved_bytes / seconds / 1e12:.2f}", "yes" if same else "NO"]
 
 
 def main():
@@ -78,10 +98,11 @@ def main():
         m, k = (int(v) for v in shape.lower().split("x"))
         rows += bench_shape(m, k, args.calls)
     lines = [
-        harness.heading("Operand quantizer per format (quantize_operand, XLA)"),
+        harness.heading("Operand quantizer per format (quantize_operand, XLA; fused Pallas for MX)"),
         "",
-        "| shape | format | us | bits / element (dtypes) | device bytes / element | effective TB/s |",
-        "|---|---|---:|---:|---:|---:|",
+        "| shape | format | us | bits / element (dtypes) | device bytes / element | effective TB/s "
+        "| fused us | fused TB/s | same bits |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
         *("| " + " | ".join(r) + " |" for r in rows),
         "",
     ]

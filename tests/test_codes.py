@@ -102,3 +102,15 @@ def test_fold_to_e4m3fn_matches_float64_values_for_every_code_and_shift():
     want_fp8 = value.astype(ml_dtypes.float8_e4m3fn)
     assert np.all(want_fp8.astype(np.float64) == value)  # every value is exact in E4M3FN
     np.testing.assert_array_equal(got.astype(np.uint8), want_fp8.view(np.uint8))
+
+
+def test_mxfp6_codes_widen_to_their_values_in_e4m3():
+    """Every E2M3 and E3M2 code (both signs): the float8_e4m3fn bits of its value, as ml_dtypes decodes
+    the 6-bit code and encodes the value (exact: every MXFP6 value is an E4M3 value)."""
+    code = np.arange(64, dtype=np.int32)
+    for fmt in (formats.E2M3, formats.E3M2):
+        value = code.astype(np.uint8).view(fmt.code_dtype).astype(np.float64)
+        want = value.astype(ml_dtypes.float8_e4m3fn)
+        assert np.array_equal(want.astype(np.float64), value)  # the widening is exact
+        got = np.asarray(jax.jit(codes.widen_mxfp6_to_e4m3fn, static_argnums=1)(jnp.asarray(code), fmt))
+        np.testing.assert_array_equal(got.astype(np.uint8), want.view(np.uint8), err_msg=fmt.name)

@@ -2,8 +2,9 @@
 
 The presets' numbers are held against the independent reference in tests/test_mx_dot.py (the CONTRACT
 table: every mxfp6_* rung, forward and both gradients). Here: the routing around them. The fused
-quantizer encodes E2M1 and the FP8 elements only, so MXFP6 operands take the reference path under every
-quantizer setting. The fp8 back end folds E2M3 operands exactly into E4M3 (tests/test_fold_mxfp6.py);
+quantizer encodes MXFP6 too (tests/test_fused_quantize.py holds its bits) but folds E2M1 only, so an
+E2M3 operand comes out of it as an MXArray that the fp8 back end folds exactly into E4M3
+(tests/test_fold_mxfp6.py);
 E3M2's exact window is too narrow, so its GEMMs multiply as in emulate, bit for bit, and the resolved
 execution says so.
 """
@@ -20,7 +21,7 @@ import pytest
 
 from fp4jax.ops import PRESETS, is_foldable, mx_dot_general, quantize_mx
 from fp4jax.ops.execution import resolve_execution
-from fp4jax.ops.kernels import backends, fused_quantize
+from fp4jax.ops.kernels import backends, fused_quantize, probes
 from fp4jax.ops.recipes import MXFP6_E2M3, MXFP6_E3M2, QuantSpec, RotationSpec
 
 MXFP6 = {"e2m3": MXFP6_E2M3, "e3m2": MXFP6_E3M2}
@@ -41,18 +42,20 @@ def _fwd_bwd(recipe, x, w, dy):
 
 
 @pytest.mark.parametrize("elem", sorted(MXFP6))
-def test_fused_quantizer_refuses_mxfp6_in_one_line(elem):
+def test_fused_fold_refuses_mxfp6_in_one_line(elem):
     x = jax.numpy.ones((16, 64))
-    with pytest.raises(ValueError, match=f"elem='{elem}': quantize it with quantize.quantize_mx") as err:
-        fused_quantize.rotate_quantize(x, axis=-1, spec=MXFP6[elem], out="mx", impl="xla")
+    with pytest.raises(ValueError, match=f"folds E2M1 elements only, got elem='{elem}'") as err:
+        fused_quantize.rotate_quantize(x, axis=-1, spec=MXFP6[elem], out="fp8_fold", impl="xla")
     assert "\n" not in str(err.value)
-    assert not fused_quantize.pallas_supports((1024, 1024), -1, MXFP6[elem], RotationSpec())
+    nvidia = probes.DeviceDescription(vendor="nvidia", name="NVIDIA H200", arch="9.0")
+    where = {"device": nvidia, "device_count": 1}
+    assert fused_quantize.pallas_supports((1024, 1024), -1, MXFP6[elem], RotationSpec(), **where)
 
 
-@pytest.mark.parametrize("name", ["mxfp6_e3m2_full_h16"])
+@pytest.mark.parametrize("name", ["mxfp6_e3m2_full_h16", "mxfp6_e2m3_full"])
 def test_every_quantizer_setting_gives_the_reference_paths_bits(name):
-    """quantizer "xla" would run the fused XLA formulation on MXFP4 operands; MXFP6 operands take the
-    reference path under it, so the three settings agree bit for bit."""
+    """quantizer "xla" runs the fused XLA formulation on the MXFP6 operands, "auto" the reference path
+    here (no GPU): the three settings agree bit for bit."""
     x, w, dy = _operands(1)
     runs = {
         q: jax.jit(functools.partial(_fwd_bwd, dataclasses.replace(PRESETS[name], quantizer=q)))(x, w, dy)

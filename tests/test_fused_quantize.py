@@ -16,7 +16,7 @@ import long_lane
 import numpy as np
 import pytest
 
-from fp4jax.ops import quantize
+from fp4jax.ops import formats, quantize
 from fp4jax.ops.kernels import fold, probes, threefry, tile_math
 from fp4jax.ops.kernels import fused_quantize as fq
 from fp4jax.ops.kernels.fused_quantize_pallas import Tile
@@ -210,6 +210,34 @@ def test_xla_fp8_elements_match_reference(elem):
         _check(x, axis=axis, spec=QuantSpec(kind="mx", elem=elem, scale_mode=scale_mode))
 
 
+def _mxfp6_ties(fmt_name: str, rows: int = 32, cols: int = 256, seed: int = 0) -> np.ndarray:
+    """Blocks whose largest element pins the scale (the format's top binade at 2^s) and whose others are
+    midpoints of the MXFP6 grid there (ties), grid points and random values, both signs."""
+    fmt = formats.get_elem_format(fmt_name)
+    rng = np.random.default_rng(seed)
+    grid = np.unique(np.arange(64, dtype=np.uint8).view(fmt.code_dtype).astype(np.float64))
+    grid = grid[grid >= 0]
+    mids = (grid[1:] + grid[:-1]) / 2
+    pick = rng.choice(np.concatenate([mids, mids, grid, rng.uniform(0, fmt.max_value, 32)]), (rows, cols))
+    pick[:, ::32] = fmt.max_value  # every block's maximum: the block exponent is the same in every mode
+    x = pick * np.exp2(rng.integers(-30, 30, (rows, 1))) * np.where(rng.random((rows, cols)) < 0.5, -1, 1)
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("elem", ["e2m3", "e3m2"])
+def test_xla_mxfp6_elements_match_reference(elem):
+    """MXFP6, held as E4M3 bytes: hard inputs and the grid's ties, every rounding, both layouts."""
+    hard, ties = jnp.asarray(_hard_inputs(seed=3)), jnp.asarray(_mxfp6_ties(elem))
+    for x in (hard, ties):
+        for scale_mode, rounding, axis in (("floor", "nearest_even", -1), ("even", "nearest_away", -2)):
+            spec = QuantSpec(kind="mx", elem=elem, scale_mode=scale_mode, rounding=rounding)
+            _check(x, axis=axis, spec=spec)
+    spec = QuantSpec(kind="mx", elem=elem, rounding="stochastic")
+    _check(hard, axis=-1, spec=spec, rotation=H16, key=jax.random.key(4))
+    tied = _check(ties, axis=-1, spec=QuantSpec(kind="mx", elem=elem))
+    assert tied.data.dtype == jnp.float8_e4m3fn
+
+
 @pytest.mark.parametrize("rotation", [H16, H32, RANDOM32], ids=["h16", "h32", "random32"])
 def test_xla_rotated_match_reference(rotation):
     x = jnp.asarray(_hard_inputs(seed=4)).astype(jnp.bfloat16)
@@ -274,8 +302,11 @@ def test_batch_dimensions_and_fold_flushes():
         (-1, RANDOM32, "ceil", "nearest_away", "e2m1", "one_pass"),
         (-1, NO_ROTATION, "floor", "nearest_even", "e2m1", "one_pass"),
         (-2, H16, "even", "nearest_even", "e2m1", "one_pass"),  # columns: one_pass goes via_mx
+        (-1, NO_ROTATION, "even", "nearest_even", "e2m3", "mx"),
+        (-2, H16, "floor", "nearest_away", "e3m2", "mx"),
+        (-2, NO_ROTATION, "ceil", "nearest_even", "e2m3", "mx"),
     ],
-    default=(0, 3, 10),
+    default=(0, 3, 10, 15),
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
 def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out):
@@ -375,6 +406,24 @@ def test_pallas_lowers_to_triton_without_a_gpu(access):
 
             text = jax.jit(run).trace(x, sign_row).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text or "triton" in text
+
+
+@pytest.mark.parametrize("elem", ["e2m3", "e3m2"])
+def test_pallas_mxfp6_lowers_to_triton_without_a_gpu(elem):
+    """MXFP6's widening to E4M3 bytes (an int -> float32 convert and bit operations) lowers, both
+    layouts, rotated by parts and whole."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    x = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
+    spec = QuantSpec(kind="mx", elem=elem, scale_mode="even")
+    for column, rotation in ((False, H16), (True, NO_ROTATION), (True, H32)):
+
+        def run(x, column=column, rotation=rotation):
+            return kernels.rotate_quantize_3d(
+                x, column, spec, rotation, None, None, "mx", False, fq.KernelConfig()
+            )
+
+        assert "triton" in jax.jit(run).trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -687,3 +736,9 @@ def test_compiled_pallas_matches_reference_on_hard_inputs(axis, rotation):
             )
             want = _reference(x, signs, key, axis=axis, spec=spec, rotation=rotation, out=out)
             _assert_same(got, want)
+    for elem in ("e2m3", "e3m2"):  # MXFP6, written as E4M3 bytes
+        for spec in (QuantSpec(kind="mx", elem=elem, scale_mode="even"), dataclasses.replace(SR, elem=elem)):
+            got = fq.rotate_quantize(
+                x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out="mx", impl="pallas"
+            )
+            _assert_same(got, _reference(x, signs, key, axis=axis, spec=spec, rotation=rotation, out="mx"))

@@ -106,9 +106,9 @@ E3M2 = ElemFormat(
 E4M3 = ElemFormat("e4m3", jnp.float8_e4m3fn, emax=8, emin=-6, mantissa_bits=3, max_value=448.0)
 E5M2 = ElemFormat("e5m2", jnp.float8_e5m2, emax=15, emin=-14, mantissa_bits=2, max_value=57344.0)
 
-# The formats the GEMM recipes take (recipes.QuantSpec): MXFP4, MXFP8 and FP8.
+# MXFP4 and the FP8 formats (recipes.FP8_ELEMS: the per-tensor FP8 elements are these but E2M1).
 ELEM_FORMATS: dict[str, ElemFormat] = {f.name: f for f in (E2M1, E4M3, E5M2)}
-# Every format the quantizers take: also MXFP6 (quantize_mx only; not yet a recipe's operand).
+# Every element format, also MXFP6: what an MX operand of a recipe takes (recipes.QuantSpec).
 ALL_ELEM_FORMATS: dict[str, ElemFormat] = {**ELEM_FORMATS, E2M3.name: E2M3, E3M2.name: E3M2}
 
 

@@ -233,7 +233,7 @@ def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, quant
     (`fused_quantize.pallas_supports`: one NVIDIA GPU, full tiles; any rounding), the reference path
     elsewhere. "xla": the fused XLA formulation everywhere (slower than the reference path on GPUs; it
     lets CPU tests exercise this wiring). "reference": the reference path. Elements the fused code does
-    not encode (MXFP6; fused_quantize.FUSED_ELEMS) take the reference path whatever the setting. Either
+    not encode (none today; fused_quantize.FUSED_ELEMS) take the reference path whatever the setting. Either
     way the operands are bit for bit the reference path's wherever the rotation's float32 sums are exact
     (tests/test_gemm_operands.py).
     """
@@ -254,7 +254,9 @@ def _quantize_side(
     """
     impl = _fused_impl(x.shape, axis, spec, rotation, quantizer)
     if impl is not None:
-        out = "fp8_fold" if fold_out else "mx"
+        # The fused fold writes E2M1 operands folded; an E2M3 one comes back as an MXArray that the
+        # fp8 back end folds (backends._fold_or_fp8).
+        out = "fp8_fold" if fold_out and spec.elem in fused_quantize.FOLDED_ELEMS else "mx"
         return fused_quantize.rotate_quantize(
             x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl=impl
         )

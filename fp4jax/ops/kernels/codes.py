@@ -17,18 +17,23 @@ from fp4jax.ops.quantize import pow2
 
 __all__ = [
     "MAGNITUDE_MASK",
+    "SIGN_SHIFT",
     "MAX_CODE",
     "encode",
     "encode_e2m1_nearest_even",
     "f32_bits",
     "floor_log2_abs",
     "fold_e2m1_to_e4m3fn",
+    "widen_mxfp6_to_e4m3fn",
 ]
 
 
 # Largest finite code (sign bit clear) of each element format: the saturation point.
-MAX_CODE = {"e2m1": 0x7, "e4m3": 0x7E, "e5m2": 0x7B}
-MAGNITUDE_MASK = {"e2m1": 0x7, "e4m3": 0x7F, "e5m2": 0x7F}
+# Per element format: the largest finite magnitude's code and the magnitude's bits (the sign is the
+# next bit up). MXFP6's 6-bit formats have no NaN or infinity, so every magnitude code is finite.
+MAX_CODE = {"e2m1": 0x7, "e2m3": 0x1F, "e3m2": 0x1F, "e4m3": 0x7E, "e5m2": 0x7B}
+MAGNITUDE_MASK = {"e2m1": 0x7, "e2m3": 0x1F, "e3m2": 0x1F, "e4m3": 0x7F, "e5m2": 0x7F}
+SIGN_SHIFT = {"e2m1": 3, "e2m3": 5, "e3m2": 5, "e4m3": 7, "e5m2": 7}
 _BITS_OF_2_TO_14 = (14 + 127) << 23
 
 
@@ -69,8 +74,7 @@ def encode(bits: jax.Array, exponent: jax.Array, fmt: ElemFormat, rounding: str)
         raise ValueError(f"encode rounds nearest_even or nearest_away, got {rounding!r}")
     code = units + up.astype(jnp.int32) + ((q - fmt.emin) << fmt.mantissa_bits)
     code = jnp.minimum(code, MAX_CODE[fmt.name])
-    sign_shift = 3 if fmt.name == "e2m1" else 7
-    return code | ((bits >> 31) & 1) << sign_shift
+    return code | ((bits >> 31) & 1) << SIGN_SHIFT[fmt.name]
 
 
 def encode_e2m1_nearest_even(bits: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -125,3 +129,23 @@ def fold_e2m1_to_e4m3fn(code: jax.Array, shift: jax.Array) -> jax.Array:
     )
     folded = jnp.where(value_bits < (121 << 23), steps_of_2_to_14, (value_bits >> 20) - (120 << 3))
     return folded | ((code & 0x8) << 4)
+
+
+def widen_mxfp6_to_e4m3fn(code: jax.Array, fmt: ElemFormat) -> jax.Array:
+    """The float8_e4m3fn bits of an E2M3 or E3M2 code's value: MXFP6's storage (formats.py), exact.
+
+    A magnitude code (e field, m mantissa bits) is units 2^(max(e, 1) - bias - m) with units = the
+    mantissa plus the hidden bit where e > 0, emin = 1 - bias. units < 2^(m+1) <= 16 converts to float32
+    exactly, so its float32 exponent and top three mantissa bits are the value's, with the binade moved by
+    max(e, 1) + emin - 1 - m. Every non-zero value is normal in E4M3 (the smallest, 2^-3 and 2^-4, are
+    above 2^-6; the largest, 7.5 and 28, below 448): E4M3 exponent field = unbiased + 7. Zero gives +-0.
+    Integer operations and one int -> float32 convert only: no float rounding for a back end to fold.
+    """
+    m = fmt.mantissa_bits
+    magnitude = code & MAGNITUDE_MASK[fmt.name]
+    field = magnitude >> m
+    units = jnp.where(field > 0, magnitude - (field << m) + (1 << m), magnitude)
+    unit_bits = f32_bits(units.astype(jnp.float32))
+    exponent = (unit_bits >> 23) - 127 + jnp.maximum(field, 1) + fmt.emin - 1 - m
+    e4m3 = ((exponent + 7) << 3) | ((unit_bits >> 20) & 0x7)
+    return jnp.where(magnitude > 0, e4m3, 0) | (((code >> SIGN_SHIFT[fmt.name]) & 1) << 7)

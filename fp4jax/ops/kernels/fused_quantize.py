@@ -8,9 +8,10 @@ than the reference path on GPUs: it lets CPU tests exercise the wiring).
 `rotate_quantize(x, axis=..., spec=..., rotation=..., out=...)` applies the block Hadamard rotation,
 picks the MX block scales, rounds, and writes either
 
-  out="mx":       an MXArray (E2M1/E4M3/E5M2 data, E8M0 scales, blocks along the last axis), or
-  out="fp8_fold": a fold.FoldedOperand (the operand the fp8 back end multiplies: E4M3 data, one int32
-                  exponent per row, the count of flushed blocks; fold.py),
+  out="mx":       an MXArray (E2M1, E2M3, E3M2, E4M3 or E5M2 data, MXFP6 held as E4M3 bytes of the
+                  same values; E8M0 scales; blocks along the last axis), or
+  out="fp8_fold": a fold.FoldedOperand of E2M1 elements (the operand the fp8 back end multiplies: E4M3
+                  data, one int32 exponent per row, the count of flushed blocks; fold.py),
 
 for the row-wise layout (axis=-1: blocks along x's last axis, result shaped like x) or the column-wise
 layout (axis=-2: blocks along x's second-to-last axis, result shaped like swapaxes(x, -1, -2), which is
@@ -69,6 +70,7 @@ from fp4jax.ops.kernels.tile_math import (
     pack_e2m1,
     quantize_tile,
     scale_bits,
+    stored_codes,
 )
 from fp4jax.ops.quantize import MXArray
 from fp4jax.ops.recipes import QUANTIZERS, QuantSpec, RotationSpec
@@ -87,10 +89,11 @@ __all__ = [
 ]
 
 OUTPUTS = ("mx", "fp8_fold")
-# The element formats the fused kernels encode (codes.MAX_CODE); MXFP6 (E2M3, E3M2) operands take the
-# reference path (quantize.quantize_mx) until the kernels encode them and are checked on a GPU. On the fp8
-# back end an E2M3 operand is folded from that path's MXArray (fold.fold_mx_to_fp8), not here.
+# The element formats the fused kernels encode (codes.MAX_CODE): every MX element format. On the fp8
+# back end an E2M3 operand is folded from the MXArray they write (fold.fold_mx_to_fp8); the fused fold
+# (out="fp8_fold") takes E2M1 only.
 FUSED_ELEMS = tuple(MAX_CODE)
+FOLDED_ELEMS = ("e2m1",)  # what out="fp8_fold" takes
 IMPLS = ("auto", "pallas", "xla")
 
 
@@ -115,7 +118,7 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
             f"the fused quantizer encodes {', '.join(FUSED_ELEMS)} elements, got elem={spec.elem!r}: "
             "quantize it with quantize.quantize_mx"
         )
-    if out == "fp8_fold" and spec.elem != "e2m1":
+    if out == "fp8_fold" and spec.elem not in FOLDED_ELEMS:
         raise ValueError(f"out='fp8_fold' folds E2M1 elements only, got elem={spec.elem!r}")
     if out == "fp8_fold" and jnp.dtype(fp8_dtype) != jnp.dtype(jnp.float8_e4m3fn):
         raise ValueError(
@@ -152,7 +155,7 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, random_bits, out):
         v = hadamard_rotate(v, rotation.size, sign_row)
     codes, exponent, finite, nonzero = quantize_tile(v, fmt, spec, random_bits)
     if out == "mx":
-        data = pack_e2m1(codes) if fmt.name == "e2m1" else codes.reshape(-1)
+        data = pack_e2m1(codes) if fmt.name == "e2m1" else stored_codes(codes, fmt).reshape(-1)
         return data.astype(jnp.uint8).reshape(rows, -1), scale_bits(exponent, finite).reshape(rows, -1)
     blocks = n // spec.block_size
     row_e = jnp.where(nonzero, exponent, NO_BLOCK).reshape(rows, blocks)

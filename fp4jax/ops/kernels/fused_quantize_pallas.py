@@ -319,7 +319,7 @@ def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, spli
         pairs = [(codes[2 * p] & 0xF) | ((codes[2 * p + 1] & 0xF) << 4) for p in range(size // 2)]
         data_ref[...] = _interleave([b.astype(jnp.uint8) for b in pairs])
     else:
-        data_ref[...] = _interleave([c.astype(jnp.uint8) for c in codes])
+        data_ref[...] = _interleave([tm.stored_codes(c, fmt).astype(jnp.uint8) for c in codes])
     return exponent, finite, nonzero
 
 
@@ -354,7 +354,7 @@ def _mx_kernel(*refs, column, spec, rotation, has_signs, has_random, draw, with_
         )
     else:
         codes, exponent, finite, nonzero = inputs.quantize_whole(column, spec, rotation, fmt)
-        data = tm.pack_e2m1(codes) if fmt.name == "e2m1" else codes
+        data = tm.pack_e2m1(codes) if fmt.name == "e2m1" else tm.stored_codes(codes, fmt)
         data_ref[...] = data.reshape(rows, -1).astype(jnp.uint8)
     scale_ref[...] = tm.scale_bits(exponent, finite).reshape(rows, -1).astype(jnp.uint8)
     if with_tops:  # this tile's part of each row's top non-zero block exponent, and of its NaN flag

@@ -28,6 +28,7 @@ from fp4jax.ops.kernels.codes import (
     encode_e2m1_nearest_even,
     f32_bits,
     fold_e2m1_to_e4m3fn,
+    widen_mxfp6_to_e4m3fn,
 )
 from fp4jax.ops.quantize import (
     _mul_pow2,  # the reference's exact scaling: SR shares it on purpose
@@ -53,6 +54,7 @@ __all__ = [
     "quantize_tile",
     "rounded_nonzero",
     "scale_bits",
+    "stored_codes",
 ]
 
 E4M3FN_NAN = 0x7F
@@ -240,6 +242,14 @@ def _stochastic_codes(bits, exponent, finite, fmt, spec, random_bits):
 
 def scale_bits(exponent: jax.Array, finite: jax.Array) -> jax.Array:
     return jnp.where(finite, exponent + formats.SCALE_BIAS, formats.SCALE_NAN_BITS)
+
+
+def stored_codes(codes: jax.Array, fmt: ElemFormat) -> jax.Array:
+    """The byte an unpacked element is stored as: its code, except MXFP6's, which are held as the
+    float8_e4m3fn bits of their values (formats.py, "Storage"). E2M1 codes are packed by pack_e2m1."""
+    if fmt.name in ("e2m3", "e3m2"):
+        return widen_mxfp6_to_e4m3fn(codes, fmt)
+    return codes
 
 
 def pack_e2m1(codes: jax.Array) -> jax.Array:
