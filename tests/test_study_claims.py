@@ -157,3 +157,22 @@ def test_a_noisy_literature_arm_widens_its_own_rows_and_not_the_familys():
 
 def _shifted(run, by: float):
     return dataclasses.replace(run, evals=tuple((i, t, loss + by) for i, t, loss in run.evals))
+
+
+def test_designs_side_by_side_plot_each_contrast_once_per_design(tmp_path, monkeypatch):
+    """claims.design_forest_plot: one row per contrast present in any design (full - fp8 first), each
+    design's token overhead in it, None where that design lacks the contrast; the figure is written."""
+    every = _study(**WGRAD_DOMINATED, full_sr_prescale=0.15, full_h16=0.03)
+    partial = claims.analyze(_runs({"fp8": 1.0, "fprop": 1.03, "full": 1.15}), "fp8", ARMS, last_k=5)
+    seen = {}
+    draw = claims.plots.plot_forest_by_design
+    monkeypatch.setattr(claims.plots, "plot_forest_by_design", lambda *a: seen.update(args=a) or draw(*a))
+    claims.design_forest_plot({"scratch": every, "fewer arms": partial}, str(tmp_path / "d.png"))
+    labels, series, band, _ = seen["args"]
+    assert labels[0] == "full - fp8" and labels[1] == "C1: full - fprop_dgrad" and len(labels) == 8
+    assert not any(label.startswith("C4") for label in labels)  # h16_wgrad_only is in neither design
+    assert band == claims.TOKEN_BAND
+    assert series["scratch"][0] == _row(every, "full - fp8")["tokens"]
+    assert series["fewer arms"][2] == _row(partial, "C2")["tokens"]  # fprop - fp8: present in both
+    assert series["fewer arms"][1] is None  # C1 needs fprop_dgrad, not run there
+    assert (tmp_path / "d.png").stat().st_size > 10_000

@@ -55,13 +55,14 @@ def cmd_run(args) -> None:
 
 def cmd_report(args) -> None:
     the_plan = plan.load_plan(args.plan)
+    designs = {}  # "branched at N" -> the claims' analysis of that branch point
     for stage in the_plan.stages:
         sroot = plan.stage_root(args.root, stage)
         if not os.path.isdir(sroot):
             print(f"study: stage {stage.name}: not run (no runs yet)")
             continue
         if stage.design == "branch":
-            _branch_report(stage, sroot, args.out)
+            designs.update(_branch_report(stage, sroot, args.out))
             continue
         result = analysis.analyze(analysis.load_runs(sroot), stage.baseline, args.target, list(stage.arms))
         if stage.count_spikes is not None:
@@ -81,7 +82,13 @@ def cmd_report(args) -> None:
                     f.write("\n")
                 print(f"wrote {path}")
     write_lr_series(the_plan, args.root, args.out)
-    write_claims(the_plan, args.root, args.out)
+    scratch = write_claims(the_plan, args.root, args.out)
+    if scratch is not None:
+        designs = {"from scratch": scratch, **designs}
+    if args.out and len(designs) > 1:
+        path = os.path.join(args.out, "claims_by_design.png")
+        claims.design_forest_plot(designs, path)
+        print(f"wrote {path}")
     write_progress(the_plan, args.root, args.out)
 
 
@@ -109,16 +116,17 @@ def write_lr_series(the_plan, root: str, out: str | None) -> None:
             _write_md_json(os.path.join(out, f"lr_stress_{reference}"), text, result)
 
 
-def write_claims(the_plan, root: str, out: str | None) -> None:
+def write_claims(the_plan, root: str, out: str | None) -> dict | None:
     """The pre-registered analysis over every paired from-scratch stage (their seeds are shared, so the
-    arms of all of them enter one arm x seed table; a run reused by several stages counts once)."""
+    arms of all of them enter one arm x seed table; a run reused by several stages counts once); returned,
+    None without such stages."""
     stages = [
         s
         for s in the_plan.stages
         if s.design == "scratch_paired" and s.lr_reference is None and os.path.isdir(plan.stage_root(root, s))
     ]
     if not stages:
-        return
+        return None
     seen, pooled, arms = set(), [], []
     for stage in stages:
         arms += [a for a in stage.arms if a not in arms]
@@ -139,6 +147,7 @@ def write_claims(the_plan, root: str, out: str | None) -> None:
             f.write("\n")
         claims.forest_plot(result, base + ".png")
         print(f"wrote {base}.md, .json and .png")
+    return result
 
 
 def _int_list(text: str) -> list[int]:
@@ -166,9 +175,11 @@ def cmd_instruments(args) -> None:
         print(f"wrote {path}")
 
 
-def _branch_report(stage, sroot: str, out: str | None) -> None:
+def _branch_report(stage, sroot: str, out: str | None) -> dict:
     """A branch stage's differences at fixed tokens (fp4jax.study.branching): DIR/<stage>.md and .json;
-    for a stage with every arm of the pre-registered contrasts, also the claims per branch step."""
+    for a stage with every arm of the pre-registered contrasts, also the claims per branch step, returned
+    as {"branched at <step>": analysis} for the steps whose contrasts are estimable."""
+    estimable = {}
     result = branching.analyze(sroot, stage)
     text = branching.to_markdown(result)
     print(text)
@@ -176,7 +187,7 @@ def _branch_report(stage, sroot: str, out: str | None) -> None:
         _write_md_json(os.path.join(out, stage.name), text, result)
         plots.plot_branches(result, os.path.join(out, stage.name + ".png"))
     if not set().union(*claims.CONTRASTS.values()) <= set(stage.arms):
-        return
+        return estimable
     for at in stage.branch_steps:
         found = branching.branch_runs(sroot, stage, at)
         cells, _, _ = claims.primary_cells(found, claims.DEFAULT_LAST_K)
@@ -189,6 +200,9 @@ def _branch_report(stage, sroot: str, out: str | None) -> None:
             base = os.path.join(out, f"{stage.name}_claims_at{at}")
             _write_md_json(base, text, claimed)
             claims.forest_plot(claimed, base + ".png")
+        if claimed["df"] > 0:
+            estimable[f"branched at {at}"] = claimed
+    return estimable
 
 
 def _write_md_json(base: str, text: str, result: dict) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "TOKEN_BAND",
     "analyze",
     "claim_verdicts",
+    "design_forest_plot",
     "forest_plot",
     "primary_cells",
     "to_markdown",
@@ -318,6 +319,25 @@ def forest_plot(result: dict, path: str) -> None:
     every = result["versus_baseline"] + result["contrasts"] + result["reported"]
     rows = [r for r in every if r["tokens"]["overhead"] is not None]
     plots.plot_forest([(_label(r), r["tokens"]) for r in rows], TOKEN_BAND, path)
+
+
+def design_forest_plot(results: dict[str, dict], path: str) -> None:
+    """The pre-registered contrasts (and full against the baseline) of several analyses side by side:
+    results maps a design's name (e.g. "from scratch", "branched at 250") to its `analyze` dict."""
+    names = ["full - fp8", *CONTRASTS]
+    labels, series = [], {design: [] for design in results}
+    for name in names:
+        found = {d: _find(r, name) for d, r in results.items()}
+        if not any(found.values()):
+            continue
+        labels.append(_label(next(row for row in found.values() if row)))
+        for design, row in found.items():
+            series[design].append(row["tokens"] if row else None)
+    plots.plot_forest_by_design(labels, series, TOKEN_BAND, path)
+
+
+def _find(result: dict, name: str) -> dict | None:
+    return next((r for r in result["versus_baseline"] + result["contrasts"] if r["name"] == name), None)
 
 
 def _label(row: dict) -> str:

@@ -13,6 +13,7 @@ __all__ = [
     "plot_curves",
     "plot_diagnostics",
     "plot_forest",
+    "plot_forest_by_design",
     "plot_lr",
     "plot_overhead",
 ]
@@ -149,6 +150,34 @@ def plot_forest(rows: list[tuple[str, dict]], band: float, path: str) -> None:
     ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="arms against fp8, and the contrasts")
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.grid(alpha=0.3, axis="x")
+    _save(fig, path)
+
+
+def plot_forest_by_design(labels: list[str], series: dict[str, list], band: float, path: str) -> None:
+    """One row per label, one marker per design (series: design -> a token-overhead dict with ci_low /
+    ci_high, or None, per label), each with its 95 % interval, offset within the row; +-band shaded."""
+    plt = _pyplot()
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(labels) + 1.8))
+    ys = list(range(len(labels)))[::-1]
+    step = 0.6 / max(len(series), 1)
+    for i, (design, rows) in enumerate(series.items()):
+        offset = 0.3 - step * (i + 0.5)
+        points = [(y + offset, t) for y, t in zip(ys, rows, strict=True) if t and t["overhead"] is not None]
+        if not points:
+            continue
+        y, t = zip(*points, strict=True)
+        low = [r["overhead"] - r["ci_low"] for r in t]
+        high = [r["ci_high"] - r["overhead"] for r in t]
+        ax.errorbar([r["overhead"] for r in t], y, xerr=[low, high], fmt="o", ms=4, label=design)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.axvspan(-band, band, color="0.9", zorder=0)
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="the contrasts, by design")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8, loc="lower right")
     _save(fig, path)
 
 
