@@ -36,6 +36,7 @@ __all__ = [
     "F32_ABS_MASK",
     "F32_INF_BITS",
     "F32_MANTISSA_MASK",
+    "F32_MIN_NORMAL_BITS",
     "F32_SIGN_MASK",
     "SCALE_BIAS",
     "SCALE_DTYPE",
@@ -61,7 +62,7 @@ F32_MANTISSA_MASK = 0x7FFFFF
 F32_ABS_MASK = 0x7FFFFFFF
 F32_SIGN_MASK = -0x80000000  # 0x80000000 as an int32
 F32_INF_BITS = 0x7F800000
-_F32_MIN_NORMAL_BITS = 0x00800000
+F32_MIN_NORMAL_BITS = 0x00800000  # 2^-126, the smallest normal float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +212,7 @@ def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Arr
     normal_bits = ((jnp.clip(exponent, -126, 128) + 126) << 23) + sig + round_up.astype(jnp.int32)
     magnitude_bits = jnp.minimum(normal_bits, F32_INF_BITS)
     rounds_to_normal = (exponent == -127) & (sig == (1 << 24) - 1)
-    below_normal_bits = jnp.where(rounds_to_normal, _F32_MIN_NORMAL_BITS, 0)
+    below_normal_bits = jnp.where(rounds_to_normal, F32_MIN_NORMAL_BITS, 0)
     magnitude_bits = jnp.where(exponent < -126, below_normal_bits, magnitude_bits)
 
     # Zeros (flushed subnormals too), infinities and NaNs by IEEE's table.

@@ -15,7 +15,8 @@ divides are not (XLA:GPU lowers them to div.full.f32, up to 2 ulp off; XLA:CPU t
 broadcast value into a multiply), so the three quotients are formats.divide_nearest_even: IEEE
 division (flush-to-zero) from the back end's estimate corrected in integers, the same bits everywhere.
 Float32 subnormals, which XLA's CPU back end flushes in arithmetic and a GPU may keep, are flushed to
-zero explicitly (inputs and intermediates), so every back end computes the same; for tensors with
+zero explicitly (inputs and intermediates; the exact divide flushes its own), so every back end computes
+the same; for tensors with
 amax >= 2^-96 no intermediate is subnormal and the result is TE's (tests/test_nvfp4.py).
 
 Blocks: 1D blocks are block_size contiguous elements along `axis`; 2D blocks are block_size x
@@ -34,7 +35,13 @@ import numpy as np
 from jax import lax
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, F32_SIGN_MASK, require_power_of_two
+from fp4jax.ops.formats import (
+    F32_ABS_MASK,
+    F32_INF_BITS,
+    F32_MIN_NORMAL_BITS,
+    F32_SIGN_MASK,
+    require_power_of_two,
+)
 from fp4jax.ops.quantize import round_to_grid, stochastic_bits
 
 __all__ = [
@@ -53,7 +60,6 @@ _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
 _F32_MAX = float(np.finfo(np.float32).max)
 _RCP_6 = float(np.float32(1.0 / 6.0))  # TE folds float32(1/6) into S_enc rather than dividing by 6
-_F32_MIN_NORMAL_BITS = 0x00800000
 _E4M3_NAN_BITS = 0x7F
 
 
@@ -65,7 +71,7 @@ def flush_subnormal(v: jax.Array) -> jax.Array:
     """v with float32 subnormals replaced by a zero of their sign (what flush-to-zero does, made explicit)."""
     bits = _bits(v)
     signed_zero = lax.bitcast_convert_type(bits & F32_SIGN_MASK, jnp.float32)
-    return jnp.where((bits & F32_ABS_MASK) < _F32_MIN_NORMAL_BITS, signed_zero, v)
+    return jnp.where((bits & F32_ABS_MASK) < F32_MIN_NORMAL_BITS, signed_zero, v)
 
 
 def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
@@ -77,8 +83,8 @@ def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
 
 
 def _decode_scale(global_scale: jax.Array) -> jax.Array:
-    """S_dec = float32(1 / S_enc), flushed to zero below the normal range."""
-    return flush_subnormal(formats.divide_nearest_even(jnp.float32(1.0), global_scale))
+    """S_dec = float32(1 / S_enc), flushed to zero below the normal range (divide_nearest_even does)."""
+    return formats.divide_nearest_even(jnp.float32(1.0), global_scale)
 
 
 @jax.tree_util.register_dataclass
@@ -165,8 +171,9 @@ def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.A
     s_b = jnp.minimum(block_amax * (global_scale * jnp.float32(_RCP_6)), _E4M3_MAX)
     s_b = s_b.astype(jnp.float8_e4m3fn)  # round to nearest even; the clip above is the saturation
     # Decoded from its bits: s_b.astype(float32) would let XLA:GPU fold the rounding away (formats.py).
-    block_decode = flush_subnormal(formats.float8_to_float32(s_b) * _decode_scale(global_scale))
-    encode = formats.divide_nearest_even(jnp.float32(1.0), block_decode)  # 1 / 0 = inf -> FLT_MAX below
+    block_decode = formats.float8_to_float32(s_b) * _decode_scale(global_scale)
+    # The divide counts a subnormal block_decode as 0 (flush-to-zero): 1 / 0 = inf -> FLT_MAX below.
+    encode = formats.divide_nearest_even(jnp.float32(1.0), block_decode)
     return s_b, jnp.minimum(encode, _F32_MAX)
 
 

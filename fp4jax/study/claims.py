@@ -110,9 +110,9 @@ def _fit(cells: dict, arms: list[str]) -> stats.AdditiveFit:
 
 
 def _pending_cells(cells: dict, excluded: list[dict], present: list[str], seeds) -> list[str]:
-    """The planned cells ("arm/seed<k>") of the arms present that have neither ended nor failed."""
-    ended_badly = {(e["arm"], f"seed{e['seed']}") for e in excluded if e["status"] in ("diverged", "failed")}
-    settled = set(cells) | ended_badly  # plan.progress counts these as done too
+    """The planned cells ("arm/seed<k>") of the arms present whose run has no final status yet."""
+    ended = {(e["arm"], f"seed{e['seed']}") for e in excluded if e["status"] in runs.FINAL_STATUSES}
+    settled = set(cells) | ended
     return [f"{a}/seed{k}" for a in present for k in seeds if (a, f"seed{k}") not in settled]
 
 
@@ -293,7 +293,7 @@ def to_markdown(result: dict) -> str:
         )
     if result["arms_missing"]:
         lines.append(f"Interim: arms not yet run: {', '.join(result['arms_missing'])}.")
-    if result.get("cells_pending"):
+    if result["cells_pending"]:
         lines.append(
             f"Interim: planned runs not yet ended: {', '.join(result['cells_pending'])}; "
             "the verdicts below may change when they have."

@@ -33,7 +33,7 @@ __all__ = [
 # next bit up). MXFP6's 6-bit formats have no NaN or infinity, so every magnitude code is finite.
 MAX_CODE = {"e2m1": 0x7, "e2m3": 0x1F, "e3m2": 0x1F, "e4m3": 0x7E, "e5m2": 0x7B}
 MAGNITUDE_MASK = {"e2m1": 0x7, "e2m3": 0x1F, "e3m2": 0x1F, "e4m3": 0x7F, "e5m2": 0x7F}
-SIGN_SHIFT = {"e2m1": 3, "e2m3": 5, "e3m2": 5, "e4m3": 7, "e5m2": 7}
+SIGN_SHIFT = {name: mask.bit_length() for name, mask in MAGNITUDE_MASK.items()}
 _BITS_OF_2_TO_14 = (14 + 127) << 23
 
 

@@ -245,9 +245,10 @@ def scale_bits(exponent: jax.Array, finite: jax.Array) -> jax.Array:
 
 
 def stored_codes(codes: jax.Array, fmt: ElemFormat) -> jax.Array:
-    """The byte an unpacked element is stored as: its code, except MXFP6's, which are held as the
-    float8_e4m3fn bits of their values (formats.py, "Storage"). E2M1 codes are packed by pack_e2m1."""
-    if fmt.name in ("e2m3", "e3m2"):
+    """The byte an unpacked element is stored as: its code, except where the format is held in a wider
+    dtype (MXFP6: the float8_e4m3fn bits of its values, formats.py "Storage"). E2M1 codes are packed by
+    pack_e2m1."""
+    if fmt.code_dtype != fmt.dtype:
         return widen_mxfp6_to_e4m3fn(codes, fmt)
     return codes
 
