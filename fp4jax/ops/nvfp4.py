@@ -16,8 +16,8 @@ broadcast value into a multiply), so the three quotients are formats.divide_near
 division (flush-to-zero) from the back end's estimate corrected in integers, the same bits everywhere.
 Float32 subnormals, which XLA's CPU back end flushes in arithmetic and a GPU may keep, are flushed to
 zero explicitly (inputs and intermediates; the exact divide flushes its own), so every back end computes
-the same; for tensors with
-amax >= 2^-96 no intermediate is subnormal and the result is TE's (tests/test_nvfp4.py).
+the same; for tensors with amax >= 2^-96 no intermediate is subnormal and the result is TE's
+(tests/test_nvfp4.py).
 
 Blocks: 1D blocks are block_size contiguous elements along `axis`; 2D blocks are block_size x
 block_size tiles of the last two axes (weights: under nearest rounding, quantizing W and W^T gives the
