@@ -67,10 +67,9 @@ from fp4jax.ops.kernels.tile_math import (
     NO_BLOCK,
     fold_codes,
     hadamard_rotate,
-    pack_e2m1,
     quantize_tile,
     scale_bits,
-    stored_codes,
+    stored_data,
 )
 from fp4jax.ops.quantize import MXArray
 from fp4jax.ops.recipes import QUANTIZERS, QuantSpec, RotationSpec
@@ -155,8 +154,8 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, random_bits, out):
         v = hadamard_rotate(v, rotation.size, sign_row)
     codes, exponent, finite, nonzero = quantize_tile(v, fmt, spec, random_bits)
     if out == "mx":
-        data = pack_e2m1(codes) if fmt.name == "e2m1" else stored_codes(codes, fmt).reshape(-1)
-        return data.astype(jnp.uint8).reshape(rows, -1), scale_bits(exponent, finite).reshape(rows, -1)
+        data = stored_data(codes, fmt).astype(jnp.uint8).reshape(rows, -1)
+        return data, scale_bits(exponent, finite).reshape(rows, -1)
     blocks = n // spec.block_size
     row_e = jnp.where(nonzero, exponent, NO_BLOCK).reshape(rows, blocks)
     row_top = jnp.max(row_e, axis=-1)

@@ -354,8 +354,7 @@ def _mx_kernel(*refs, column, spec, rotation, has_signs, has_random, draw, with_
         )
     else:
         codes, exponent, finite, nonzero = inputs.quantize_whole(column, spec, rotation, fmt)
-        data = tm.pack_e2m1(codes) if fmt.name == "e2m1" else tm.stored_codes(codes, fmt)
-        data_ref[...] = data.reshape(rows, -1).astype(jnp.uint8)
+        data_ref[...] = tm.stored_data(codes, fmt).reshape(rows, -1).astype(jnp.uint8)
     scale_ref[...] = tm.scale_bits(exponent, finite).reshape(rows, -1).astype(jnp.uint8)
     if with_tops:  # this tile's part of each row's top non-zero block exponent, and of its NaN flag
         top_ref, nan_ref = outs[2:]

@@ -55,6 +55,7 @@ __all__ = [
     "rounded_nonzero",
     "scale_bits",
     "stored_codes",
+    "stored_data",
 ]
 
 E4M3FN_NAN = 0x7F
@@ -251,6 +252,12 @@ def stored_codes(codes: jax.Array, fmt: ElemFormat) -> jax.Array:
     if fmt.code_dtype != fmt.dtype:
         return widen_mxfp6_to_e4m3fn(codes, fmt)
     return codes
+
+
+def stored_data(codes: jax.Array, fmt: ElemFormat) -> jax.Array:
+    """A tile's codes as the flat bytes an MXArray's data hold: E2M1 packed two to a byte, else one
+    stored_codes byte per element."""
+    return pack_e2m1(codes) if fmt.name == "e2m1" else stored_codes(codes, fmt).reshape(-1)
 
 
 def pack_e2m1(codes: jax.Array) -> jax.Array:
