@@ -15,7 +15,7 @@ import pytest
 from long_lane import SLOW
 
 from fp4jax.study import __main__ as study_cli
-from fp4jax.study import branching, plan, runner
+from fp4jax.study import branching, claims, plan, runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BRANCH_PLAN = """
@@ -377,3 +377,19 @@ def test_the_example_plan_loads_and_its_trunk_keeps_the_branch_points(monkeypatc
     late = next(s for s in specs if s.label == "full_h16/at600/seed2")
     branch = runner.load_config(stage.config, late.config_args([]))
     assert (branch.steps, branch.recipe, branch.seed) == (850, "mxfp4_full_h16", 2)
+
+
+def test_the_350m_confirmation_plan_loads_and_plans_every_claims_contrast_but_c4(monkeypatch):
+    """fp4jax/study/plans/confirm350m.toml (study_plan.md, amendment "the 350M confirmation"): 3 trunks to
+    600 updates, 8 arms x 3 trunks branches of 250, the 350M model at the pre-registered LR; its arms
+    make every contrast that a claim's verdict uses (C1-C3, C5-C7, C10), and C4 is outside its design."""
+    monkeypatch.chdir(ROOT)
+    stage = plan.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "confirm350m.toml")).stages[0]
+    specs = plan.stage_specs(stage)
+    assert (stage.steps, stage.branch_steps, len(specs)) == (600, (600,), 3 + 8 * 3)
+    trunk = runner.load_config(stage.config, specs[0].config_args([]))
+    assert (trunk.model.size, trunk.recipe, trunk.keep_checkpoint_steps) == ("350m", "fp8_mlperf", (600,))
+    assert trunk.optimizer.peak_lr == pytest.approx(1.5e-3 * 768 / 1024)
+    assert trunk.xla_gpu_deterministic_ops and trunk.model.attention == "pallas"
+    planned = {name for name, w in claims.CONTRASTS.items() if set(w) <= set(stage.arms)}
+    assert planned == set(claims.CONTRASTS) - {"C4"}

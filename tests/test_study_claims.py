@@ -90,6 +90,23 @@ def test_missing_arms_make_an_interim_analysis_and_verdicts_that_say_what_they_n
     assert "Interim: arms not yet run" in claims.to_markdown(result)
 
 
+def test_a_design_without_some_arms_judges_what_it_plans_and_is_not_interim_for_the_rest():
+    """ARMS plans neither h16_wgrad_only nor full_h32 (a confirmation's arms): C4 is outside its family,
+    not pending; its Holm family is the other seven; a claim whose arms it does not plan says so."""
+    result = _study(**WGRAD_DOMINATED, full_sr_prescale=0.15, full_h16=0.03)
+    assert result["not_in_design"] == ["C4"] and result["not_estimable"] == []
+    assert not result["interim"] and len(result["contrasts"]) == 7
+    assert "Not in this design (arms not planned): C4." in claims.to_markdown(result)
+    assert "Not estimable yet" not in claims.to_markdown(result)
+
+    without_h16 = [a for a in ARMS if a != "full_h16"]
+    stretch = {arm: 1.0 + WGRAD_DOMINATED.get(arm, 0.0) for arm in without_h16}
+    result = claims.analyze(_runs(stretch), "fp8", without_h16, last_k=5)
+    assert result["verdicts"]["c"]["verdict"] == "not in this design"
+    assert result["verdicts"]["c"]["why"] == "needs C10 (arms not planned)"
+    assert result["verdicts"]["a"]["verdict"] == "supported"
+
+
 def test_planned_seeds_not_yet_ended_make_the_analysis_interim_but_a_diverged_run_does_not():
     stretch = {arm: 1.0 for arm in ARMS}
     two_seeds = claims.analyze(_runs(stretch, seeds=(0, 1)), "fp8", ARMS, last_k=5, seeds=(0, 1, 2))

@@ -15,8 +15,9 @@ that sets count_spikes), DIR/<stage>_gate.json for a gated stage, DIR/lr_stress_
 each LR series (fp4jax.study.lr_stress: the stages that name a reference stage as their 1x point), and
 DIR/claims.md/.json/.png: the pre-registered contrasts and the verdict per claim (fp4jax.study.claims;
 the LR series' stress stages, at other LRs, are not in it); for a branch stage, DIR/<stage>.md/.json/
-.png (the differences against tokens) and, when its arms cover the contrasts, DIR/<stage>_claims_at
-<step>.md/.json/.png: the same analysis per branch point, trunks as blocks (docs/study_plan.md).
+.png (the differences against tokens) and, when its arms make any of the contrasts,
+DIR/<stage>_claims_at<step>.md/.json/.png: the same analysis per branch point, trunks as blocks
+(docs/study_plan.md).
 `instruments` writes DIR/instruments.json, instruments.txt and instruments_<stage>.png
 (docs/diagnostics.md, Mechanism instruments).
 """
@@ -177,8 +178,9 @@ def cmd_instruments(args) -> None:
 
 def _branch_report(stage, sroot: str, out: str | None) -> dict:
     """A branch stage's differences at fixed tokens (fp4jax.study.branching): DIR/<stage>.md and .json;
-    for a stage with every arm of the pre-registered contrasts, also the claims per branch step, returned
-    as {"branched at <step>": analysis} for the steps whose contrasts are estimable."""
+    for a stage whose arms make any pre-registered contrast (its family: the contrasts it plans), also
+    the claims per branch step, returned as {"branched at <step>": analysis} for the steps whose
+    contrasts are estimable."""
     estimable = {}
     result = branching.analyze(sroot, stage)
     text = branching.to_markdown(result)
@@ -186,7 +188,7 @@ def _branch_report(stage, sroot: str, out: str | None) -> dict:
     if out:
         _write_md_json(os.path.join(out, stage.name), text, result)
         plots.plot_branches(result, os.path.join(out, stage.name + ".png"))
-    if not set().union(*claims.CONTRASTS.values()) <= set(stage.arms):
+    if not any(set(w) <= set(stage.arms) for w in claims.CONTRASTS.values()):
         return estimable
     for at in stage.branch_steps:
         found = branching.branch_runs(sroot, stage, at)

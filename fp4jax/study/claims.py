@@ -15,6 +15,8 @@ Invariants:
   marked interim and every verdict that needs a missing arm says so; so is it while a planned cell (an
   arm present, a planned seed) has not ended, since its verdicts then rest on fewer blocks than planned
   (a diverged or failed run is an outcome, listed under excluded, not pending);
+- a contrast whose arms the design does not plan (not in `arms`, e.g. a confirmation at another scale
+  with fewer arms) is outside that design's family, listed under `not_in_design`, never "not yet run";
 - token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
   runs' tokens (stats.iso_loss_overhead).
 """
@@ -175,7 +177,8 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
         "contrasts": [_with_tokens(r, curve, tokens) for r in family],
         "reported": [_with_tokens(r, curve, tokens) for r in reported],
         "ordering": None if ordering is None else _with_tokens(ordering, curve, tokens),
-        "not_estimable": sorted(set(CONTRASTS) - set(estimable), key=lambda n: int(n[1:])),
+        "not_in_design": [n for n, w in CONTRASTS.items() if not set(w) <= set(arms)],
+        "not_estimable": [n for n, w in CONTRASTS.items() if n not in estimable and set(w) <= set(arms)],
         "reported_not_estimable": [n for n, w in REPORTED.items() if not set(w) <= set(present)],
     }
     result["verdicts"] = claim_verdicts(result)
@@ -190,9 +193,12 @@ def _missing(names, rows) -> list[str]:
     return [n for n in names if n not in rows]
 
 
-def _pending(names, rows, not_estimable) -> tuple[str, str]:
-    """The verdict of a claim whose contrasts are not all in the family: arms not run, or (every arm run) a
-    table without residual degrees of freedom, e.g. one seed or trunk."""
+def _pending(names, rows, not_estimable, not_in_design) -> tuple[str, str]:
+    """The verdict of a claim whose contrasts are not all in the family: arms the design does not plan,
+    arms not run, or (every arm run) a table without residual degrees of freedom, e.g. one trunk."""
+    unplanned = [n for n in names if n in not_in_design]
+    if unplanned:
+        return "not in this design", "needs " + ", ".join(unplanned) + " (arms not planned)"
     unrun = [n for n in names if n in not_estimable]
     if unrun:
         return "not yet run", "needs " + ", ".join(unrun)
@@ -202,9 +208,9 @@ def _pending(names, rows, not_estimable) -> tuple[str, str]:
     )
 
 
-def _verdict_a(rows: dict, ordering: dict | None, not_estimable) -> tuple[str, str]:
+def _verdict_a(rows: dict, ordering: dict | None, not_estimable, not_in_design) -> tuple[str, str]:
     if _missing(("C1", "C2", "C3"), rows) or ordering is None:
-        return _pending(("C1", "C2", "C3"), rows, not_estimable)
+        return _pending(("C1", "C2", "C3"), rows, not_estimable, not_in_design)
     c1 = rows["C1"]
     why = (
         f"C1 = {c1['estimate']:+.4f} nats (Holm p {c1['p_holm']:.3g}); C1 - C2 - C3 = "
@@ -218,18 +224,18 @@ def _verdict_a(rows: dict, ordering: dict | None, not_estimable) -> tuple[str, s
     return "not resolved at this scale", why
 
 
-def _verdict_b(rows: dict, not_estimable) -> tuple[str, str]:
+def _verdict_b(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
     names = ("C5", "C6", "C7")
     if _missing(names, rows):
-        return _pending(names, rows, not_estimable)
+        return _pending(names, rows, not_estimable, not_in_design)
     helps = [n for n in names if rows[n]["reject"] and rows[n]["estimate"] < 0]
     why = "; ".join(f"{n} = {rows[n]['estimate']:+.4f} (Holm p {rows[n]['p_holm']:.3g})" for n in names)
     return ("refuted" if helps else "supported"), why
 
 
-def _verdict_c(rows: dict, not_estimable) -> tuple[str, str]:
+def _verdict_c(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
     if "C10" not in rows:
-        return _pending(("C10",), rows, not_estimable)
+        return _pending(("C10",), rows, not_estimable, not_in_design)
     tok = rows["C10"]["tokens"]
     if tok["overhead"] is None:
         return "not resolved at this scale", tok.get("note") or "no token conversion"
@@ -244,11 +250,11 @@ def _verdict_c(rows: dict, not_estimable) -> tuple[str, str]:
 def claim_verdicts(result: dict) -> dict[str, dict]:
     """docs/study_plan.md's decision rules: {claim: {claim, verdict, why}}."""
     rows = _by_name(result)
-    unrun = result["not_estimable"]
+    unrun, unplanned = result["not_estimable"], result["not_in_design"]
     decided = {
-        "a": _verdict_a(rows, result["ordering"], unrun),
-        "b": _verdict_b(rows, unrun),
-        "c": _verdict_c(rows, unrun),
+        "a": _verdict_a(rows, result["ordering"], unrun, unplanned),
+        "b": _verdict_b(rows, unrun, unplanned),
+        "c": _verdict_c(rows, unrun, unplanned),
     }
     return {k: {"claim": CLAIMS[k], "verdict": v, "why": why} for k, (v, why) in decided.items()}
 
@@ -305,6 +311,8 @@ def to_markdown(result: dict) -> str:
     lines += [_row(r, holm=True) for r in result["contrasts"]]
     if result["not_estimable"]:
         lines.append(f"\nNot estimable yet: {', '.join(result['not_estimable'])}.")
+    if result["not_in_design"]:
+        lines.append(f"\nNot in this design (arms not planned): {', '.join(result['not_in_design'])}.")
     if result["reported"]:
         lines += ["", "The literature's recipes, outside the Holm family (no verdict):", ""]
         lines += [head.format("contrast"), "|---|---|---|---|---|"]
