@@ -104,6 +104,25 @@ def test_fold_to_e4m3fn_matches_float64_values_for_every_code_and_shift():
     np.testing.assert_array_equal(got.astype(np.uint8), want_fp8.view(np.uint8))
 
 
+def test_scaling_an_e4m3_byte_matches_ml_dtypes_wherever_the_result_is_exact():
+    """scale_e4m3fn (the fold of MXFP6's stored bytes): every zero or normal E4M3FN byte, both signs,
+    times 2^shift for shifts across and beyond the fold's, against ml_dtypes' encoding of the float64
+    product, on every product E4M3FN holds exactly (the fold's window guarantees it holds them)."""
+    byte = np.arange(256, dtype=np.int32)
+    field, magnitude = (byte & 0x7F) >> 3, byte & 0x7F
+    byte = byte[((field > 0) & (magnitude != 0x7F)) | (magnitude == 0)]  # zero, normal, not NaN
+    value = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    checked = 0
+    for shift in range(-14, 10):
+        scaled = value * 2.0**shift
+        exact = (np.abs(scaled) <= 448) & (np.mod(np.abs(scaled), 2.0**-9) == 0)
+        got = np.asarray(jax.jit(codes.scale_e4m3fn)(jnp.asarray(byte), jnp.int32(shift)))
+        want = scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        np.testing.assert_array_equal(got[exact].astype(np.uint8), want[exact], err_msg=f"shift {shift}")
+        checked += int(exact.sum())
+    assert checked > 3000  # subnormal results (shifts below -6) and the largest (448) among them
+
+
 def test_mxfp6_codes_widen_to_their_values_in_e4m3():
     """Every E2M3 and E3M2 code (both signs): the float8_e4m3fn bits of its value, as ml_dtypes decodes
     the 6-bit code and encodes the value (exact: every MXFP6 value is an E4M3 value)."""

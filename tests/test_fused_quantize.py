@@ -236,6 +236,25 @@ def test_xla_mxfp6_elements_match_reference(elem):
     _check(hard, axis=-1, spec=spec, rotation=H16, key=jax.random.key(4))
     tied = _check(ties, axis=-1, spec=QuantSpec(kind="mx", elem=elem))
     assert tied.data.dtype == jnp.float8_e4m3fn
+    if elem in fq.FOLDED_ELEMS:  # E2M3 folds exactly into E4M3 (fold.py): the fused fold, both layouts
+        for x, axis in ((hard, -1), (ties, -2)):
+            _check(x, axis=axis, spec=QuantSpec(kind="mx", elem=elem, scale_mode="even"), out="fp8_fold")
+        _check(hard, axis=-2, spec=spec, rotation=H16, key=jax.random.key(4), out="fp8_fold")
+
+
+def test_the_e2m3_fold_keeps_blocks_11_binades_below_the_row_top_and_flushes_12():
+    """E2M3's window (fold.fold_params: 11 binades into float8_e4m3fn, against E2M1's 14): a block 11
+    binades below its row's top block is kept exactly, one 12 below is flushed and counted."""
+    x = np.random.default_rng(13).uniform(-0.9, 0.9, (2, 16, 128)).astype(np.float32)
+    x[..., ::32] = 1.0  # every block's largest: the same block exponent everywhere
+    x[0, 3, 32:64] *= 2.0**-11
+    x[1, 5, 64:96] *= 2.0**-12
+    spec = QuantSpec(kind="mx", elem="e2m3", scale_mode="even")
+    for impl in ("xla", "pallas"):
+        folded = _check(jnp.asarray(x), axis=-1, spec=spec, out="fp8_fold", impl=impl)
+        assert int(folded.flushed_blocks) == 1, impl
+        kept = np.asarray(folded.data[0, 3, 32:64]).astype(np.float32)
+        assert np.all(kept != 0), impl  # the block 11 binades down: its values, not zeros
 
 
 @pytest.mark.parametrize("rotation", [H16, H32, RANDOM32], ids=["h16", "h32", "random32"])
@@ -305,8 +324,11 @@ def test_batch_dimensions_and_fold_flushes():
         (-1, NO_ROTATION, "even", "nearest_even", "e2m3", "mx"),
         (-2, H16, "floor", "nearest_away", "e3m2", "mx"),
         (-2, NO_ROTATION, "ceil", "nearest_even", "e2m3", "mx"),
+        (-1, H16, "even", "nearest_even", "e2m3", "one_pass"),
+        (-1, NO_ROTATION, "floor", "nearest_away", "e2m3", "via_mx"),
+        (-2, RANDOM32, "even", "nearest_even", "e2m3", "via_mx"),
     ],
-    default=(0, 3, 10, 15),
+    default=(0, 3, 10, 15, 19),
     ids=lambda v: f"{v.kind}{v.size}" if isinstance(v, RotationSpec) else str(v),
 )
 def test_pallas_interpret_matches_reference(axis, rotation, scale_mode, rounding, elem, out):
@@ -411,19 +433,21 @@ def test_pallas_lowers_to_triton_without_a_gpu(access):
 @pytest.mark.parametrize("elem", ["e2m3", "e3m2"])
 def test_pallas_mxfp6_lowers_to_triton_without_a_gpu(elem):
     """MXFP6's widening to E4M3 bytes (an int -> float32 convert and bit operations) lowers, both
-    layouts, rotated by parts and whole."""
+    layouts, rotated by parts and whole; so does E2M3's fold, in one pass (rows) and via mx (columns)."""
     from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 
     x = jax.ShapeDtypeStruct((1, 64, 512), jnp.bfloat16)
     spec = QuantSpec(kind="mx", elem=elem, scale_mode="even")
-    for column, rotation in ((False, H16), (True, NO_ROTATION), (True, H32)):
+    outs = fq.OUTPUTS if elem in fq.FOLDED_ELEMS else ("mx",)
+    for out in outs:
+        for column, rotation in ((False, H16), (True, NO_ROTATION), (True, H32)):
 
-        def run(x, column=column, rotation=rotation):
-            return kernels.rotate_quantize_3d(
-                x, column, spec, rotation, None, None, "mx", False, fq.KernelConfig()
-            )
+            def run(x, column=column, rotation=rotation, out=out):
+                return kernels.rotate_quantize_3d(
+                    x, column, spec, rotation, None, None, out, False, fq.KernelConfig()
+                )
 
-        assert "triton" in jax.jit(run).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in jax.jit(run).trace(x).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -647,7 +671,7 @@ def test_bad_input_is_one_clear_error():
     spec = QuantSpec(kind="mx")
     with pytest.raises(ValueError, match="needs a PRNG key"):
         fq.rotate_quantize(x, spec=QuantSpec(kind="mx", rounding="stochastic"), impl="pallas")
-    with pytest.raises(ValueError, match="E2M1 elements only"):
+    with pytest.raises(ValueError, match="folds E2M1 and E2M3 elements only, got elem='e4m3'"):
         fq.rotate_quantize(x, spec=QuantSpec(kind="mx", elem="e4m3"), out="fp8_fold")
     with pytest.raises(ValueError, match="needs signs"):
         fq.rotate_quantize(x, spec=spec, rotation=RANDOM32)
@@ -736,9 +760,11 @@ def test_compiled_pallas_matches_reference_on_hard_inputs(axis, rotation):
             )
             want = _reference(x, signs, key, axis=axis, spec=spec, rotation=rotation, out=out)
             _assert_same(got, want)
-    for elem in ("e2m3", "e3m2"):  # MXFP6, written as E4M3 bytes
+    for elem in ("e2m3", "e3m2"):  # MXFP6, written as E4M3 bytes; E2M3 also folded
         for spec in (QuantSpec(kind="mx", elem=elem, scale_mode="even"), dataclasses.replace(SR, elem=elem)):
-            got = fq.rotate_quantize(
-                x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out="mx", impl="pallas"
-            )
-            _assert_same(got, _reference(x, signs, key, axis=axis, spec=spec, rotation=rotation, out="mx"))
+            for out in fq.OUTPUTS if elem in fq.FOLDED_ELEMS else ("mx",):
+                got = fq.rotate_quantize(
+                    x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl="pallas"
+                )
+                want = _reference(x, signs, key, axis=axis, spec=spec, rotation=rotation, out=out)
+                _assert_same(got, want)

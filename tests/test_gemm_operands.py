@@ -63,7 +63,7 @@ def _assert_same_products_as_reference(setting, recipe, backend, inputs):
         ("mxfp4_full_h16", "fp8"),
         ("mxfp4_full_rht", "fp8"),
         ("mxfp4_fprop", "fp8"),
-        ("mxfp6_e2m3_full_h16", "fp8"),  # fused MX operands that the fp8 back end folds itself
+        ("mxfp6_e2m3_full_h16", "fp8"),  # E2M3 folded by the fused quantizer
         ("mxfp6_e3m2_full", "emulate"),
     ],
 )

@@ -316,8 +316,7 @@ def fp8_unfolded(recipe: Recipe) -> tuple[QuantSpec, ...]:
 def quantizer_folds(a_spec: QuantSpec, c_spec: QuantSpec, backend: str) -> bool:
     """Whether a fused quantizer should write this GEMM's MX operands already folded: when the fp8 back end
     will run it as one FP8 GEMM in float8_e4m3fn (the fused fold writes that type only; on FNUZ devices
-    the quantizer writes MX and the back end folds). The fused fold takes E2M1 only: an E2M3 operand
-    comes back from the fused quantizer as an MXArray, which `_fold_or_fp8` folds."""
+    the quantizer writes MX and the back end folds, `_fold_or_fp8`)."""
     if backend != "fp8" or jnp.dtype(probes.device_fold_dtype()) != jnp.dtype(jnp.float8_e4m3fn):
         return False
     a_fold, c_fold = (fp8_folds(s) for s in (a_spec, c_spec))

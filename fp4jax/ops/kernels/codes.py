@@ -24,6 +24,7 @@ __all__ = [
     "f32_bits",
     "floor_log2_abs",
     "fold_e2m1_to_e4m3fn",
+    "scale_e4m3fn",
     "widen_mxfp6_to_e4m3fn",
 ]
 
@@ -115,20 +116,41 @@ def fold_e2m1_to_e4m3fn(code: jax.Array, shift: jax.Array) -> jax.Array:
 
     Every such value is exact in E4M3FN (fold.py says why), so no rounding happens: the value is built
     as float32 bits (code 1 is 2^(shift-1); codes 2-7 add code << 22 to that, which steps the exponent
-    by code // 2 and sets the top mantissa bit to code's low bit), then re-biased to E4M3 (exponent
-    field - 120, the top three mantissa bits) where it is normal (>= 2^-6); below, it is a multiple of
-    E4M3's subnormal step 2^-9, and adding 2^14 (whose float32 step is 2^-9) leaves exactly the count of
-    steps in the low bits. Zero codes give +-0 (sign kept). `shift` may have size-1 axes: the per-block
-    part is then computed once per block.
+    by code // 2 and sets the top mantissa bit to code's low bit), then re-encoded (_e4m3fn_of_exact).
+    Zero codes give +-0 (sign kept). `shift` may have size-1 axes: the per-block part is then computed
+    once per block.
     """
     magnitude = code & 0x7
     half = (126 + shift) << 23  # float32 bits of 2^(shift - 1), E2M1's 0.5 after the shift
     value_bits = jnp.where(magnitude > 1, (magnitude << 22) + half, jnp.where(magnitude == 1, half, 0))
+    return _e4m3fn_of_exact(value_bits) | ((code & 0x8) << 4)
+
+
+def scale_e4m3fn(byte: jax.Array, shift: jax.Array) -> jax.Array:
+    """The float8_e4m3fn bits of value(byte) * 2^shift, for a zero or normal E4M3FN byte (int32) whose
+    scaled value lies on E4M3FN's grid (a multiple of 2^-9, at most 448): the fold of MXFP6 elements,
+    which are stored as such bytes (widen_mxfp6_to_e4m3fn); the caller's window guarantees the grid.
+
+    The scaled value is built as float32 bits (the byte's exponent field + 120 + shift, its 3 mantissa
+    bits on top) and re-encoded as fold_e2m1_to_e4m3fn does: no rounding anywhere. Signs are kept.
+    """
+    magnitude = byte & 0x7F
+    value_bits = (((magnitude >> 3) + 120 + shift) << 23) | ((magnitude & 0x7) << 20)
+    value_bits = jnp.where(magnitude > 0, value_bits, 0)
+    return _e4m3fn_of_exact(value_bits) | (byte & 0x80)
+
+
+def _e4m3fn_of_exact(value_bits: jax.Array) -> jax.Array:
+    """E4M3FN magnitude bits of a non-negative float32 (given by its bits) that E4M3FN holds exactly.
+
+    Normal (>= 2^-6): re-bias the exponent field (- 120) and keep the top three mantissa bits. Below, the
+    value is a multiple of E4M3's subnormal step 2^-9, and adding 2^14 (whose float32 step is 2^-9)
+    leaves exactly the count of steps in the low bits. Zero gives 0.
+    """
     steps_of_2_to_14 = (
         f32_bits(lax.bitcast_convert_type(value_bits, jnp.float32) + 2.0**14) - _BITS_OF_2_TO_14
     )
-    folded = jnp.where(value_bits < (121 << 23), steps_of_2_to_14, (value_bits >> 20) - (120 << 3))
-    return folded | ((code & 0x8) << 4)
+    return jnp.where(value_bits < (121 << 23), steps_of_2_to_14, (value_bits >> 20) - (120 << 3))
 
 
 def widen_mxfp6_to_e4m3fn(code: jax.Array, fmt: ElemFormat) -> jax.Array:

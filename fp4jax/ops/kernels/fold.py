@@ -39,7 +39,6 @@ __all__ = [
     "FOLDED_ELEMS",
     "FP8_DTYPES",
     "NO_BLOCK",
-    "WINDOW",
     "FoldParams",
     "FoldedOperand",
     "apply_exponents",
@@ -112,10 +111,6 @@ def _require_params(elem: str, fp8_dtype) -> FoldParams:
             "grid per row (use backend='emulate' for them)"
         )
     return params
-
-
-# E2M1's window, the same in both E4M3 variants: what the fused quantizer (E2M1 only) folds with.
-WINDOW = fold_params("e2m1").window
 
 
 @jax.tree_util.register_dataclass

@@ -10,7 +10,7 @@ picks the MX block scales, rounds, and writes either
 
   out="mx":       an MXArray (E2M1, E2M3, E3M2, E4M3 or E5M2 data, MXFP6 held as E4M3 bytes of the
                   same values; E8M0 scales; blocks along the last axis), or
-  out="fp8_fold": a fold.FoldedOperand of E2M1 elements (the operand the fp8 back end multiplies: E4M3
+  out="fp8_fold": a fold.FoldedOperand of E2M1 or E2M3 elements (what the fp8 back end multiplies: E4M3
                   data, one int32 exponent per row, the count of flushed blocks; fold.py),
 
 for the row-wise layout (axis=-1: blocks along x's last axis, result shaped like x) or the column-wise
@@ -88,11 +88,10 @@ __all__ = [
 ]
 
 OUTPUTS = ("mx", "fp8_fold")
-# The element formats the fused kernels encode (codes.MAX_CODE): every MX element format. On the fp8
-# back end an E2M3 operand is folded from the MXArray they write (fold.fold_mx_to_fp8); the fused fold
-# (out="fp8_fold") takes E2M1 only.
+# The element formats the fused kernels encode (codes.MAX_CODE): every MX element format; and those
+# they also fold (out="fp8_fold"): the ones that fold exactly into E4M3 (fold.FOLDED_ELEMS).
 FUSED_ELEMS = tuple(MAX_CODE)
-FOLDED_ELEMS = ("e2m1",)  # what out="fp8_fold" takes
+FOLDED_ELEMS = fold.FOLDED_ELEMS
 IMPLS = ("auto", "pallas", "xla")
 
 
@@ -118,7 +117,10 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
             "quantize it with quantize.quantize_mx"
         )
     if out == "fp8_fold" and spec.elem not in FOLDED_ELEMS:
-        raise ValueError(f"out='fp8_fold' folds E2M1 elements only, got elem={spec.elem!r}")
+        raise ValueError(
+            f"out='fp8_fold' folds {' and '.join(e.upper() for e in FOLDED_ELEMS)} elements only, got "
+            f"elem={spec.elem!r}: use out='mx' (the fp8 back end multiplies it as emulate does)"
+        )
     if out == "fp8_fold" and jnp.dtype(fp8_dtype) != jnp.dtype(jnp.float8_e4m3fn):
         raise ValueError(
             f"the fused fold writes float8_e4m3fn only, got {fp8_dtype}: for e4m3fnuz use "
@@ -161,14 +163,14 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, random_bits, out):
     row_top = jnp.max(row_e, axis=-1)
     row_top = jnp.where(row_top == NO_BLOCK, 0, row_top)
     nan_row = jnp.any(~finite.reshape(rows, blocks), axis=-1)
-    shift = fold.fold_shift(jnp.float8_e4m3fn)
+    shift = fold.fold_shift(jnp.float8_e4m3fn, spec.elem)
     folded, flushed = fold_codes(
         codes,
         exponent,
         nonzero,
         jnp.repeat(row_top, blocks),
         jnp.repeat(nan_row, blocks),
-        shift,
+        fmt,
     )
     row_exponent = jnp.where(nan_row, 0, row_top - shift)
     return folded.astype(jnp.uint8).reshape(rows, n), row_exponent, jnp.sum(flushed.astype(jnp.int32))
@@ -243,7 +245,7 @@ def rotate_quantize(
       spec: an MX QuantSpec; rotation: a RotationSpec ("random" needs its `signs`, as
         quantized_dot's _rotation_signs draws them); key: for rounding="stochastic" (either impl; the
         same key gives quantize_mx's bits).
-      out: "mx" -> MXArray; "fp8_fold" -> fold.FoldedOperand (E2M1 only, float8_e4m3fn).
+      out: "mx" -> MXArray; "fp8_fold" -> fold.FoldedOperand (E2M1 or E2M3, float8_e4m3fn).
       impl: "auto" (`choose_impl`: Pallas where it runs), "pallas", "xla".
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       config: how the Pallas kernels tile and move memory (KernelConfig; the same bits whatever it says).

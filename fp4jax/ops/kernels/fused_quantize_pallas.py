@@ -17,8 +17,9 @@ benchmarks/bench_quantize.py times others, and every config gives the same bits.
 - fp8_fold in one pass (row layout, rows of at most KernelConfig.one_pass_max_row): the mx kernel's
   quantization with whole rows per program, so it knows each row's top block and writes E4M3 directly.
 - fp8_fold via mx (columns, and longer rows): the mx kernel also writes each tile's part of the row tops;
-  a small row-wise kernel then folds its E2M1 output, packed byte by packed byte (one uint16 of two E4M3
-  codes each). It moves 1.06 more bytes per element but keeps the transposing kernel small.
+  a small row-wise kernel then folds its output: E2M1 packed byte by packed byte (one uint16 of two E4M3
+  codes each; 1.06 more bytes per element moved), E2M3's stored E4M3 bytes one to one (2.06 more). It
+  keeps the transposing kernel small.
 
 Stochastic rounding: the mx and one-pass kernels draw each tile's random bits themselves (uint32, one
 per output element): threefry.random_bits of the key's two words at the element's row-major index in
@@ -41,10 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import F32_ABS_MASK, get_elem_format, require_power_of_two
+from fp4jax.ops.formats import F32_ABS_MASK, ElemFormat, get_elem_format, require_power_of_two
 from fp4jax.ops.kernels import fold, threefry
 from fp4jax.ops.kernels import tile_math as tm
-from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, f32_bits, fold_e2m1_to_e4m3fn
+from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, f32_bits, fold_e2m1_to_e4m3fn, scale_e4m3fn
 
 __all__ = ["KernelConfig", "Tile", "rotate_quantize_3d"]
 
@@ -71,7 +72,7 @@ class KernelConfig:
 
       mx_row, mx_column: the mx kernel's tile per layout; mx_column_unrotated: the column-wise mx kernel
         without a rotation (read by parts of column_parts, with a best tile of its own).
-      fold_from_mx: the tile of the fold of the mx kernel's E2M1 output (the "via mx" fold).
+      fold_from_mx: the tile of the fold of the mx kernel's output (the "via mx" fold; `cols` elements).
       one_pass: the one-pass fold's program: `cols` elements of whole rows (at least one row).
       column_parts: parts per run for an unrotated column-wise tile (0: read the tile whole).
       split_loads, one_pass_split_loads: whether the row-wise mx kernel / the one-pass fold read a tile
@@ -313,7 +314,7 @@ def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, spli
         shift, keep, nan_row = fold_rows.per_block(exponent, finite, nonzero)
         shift, keep = per_run(shift), per_run(keep)
         data_ref[...] = _interleave(
-            [tm.fold_elements(c, shift, keep, nan_row).astype(jnp.uint8) for c in codes]
+            [tm.fold_elements(c, shift, keep, nan_row, fmt).astype(jnp.uint8) for c in codes]
         )
     elif fmt.name == "e2m1":
         pairs = [(codes[2 * p] & 0xF) | ((codes[2 * p + 1] & 0xF) << 4) for p in range(size // 2)]
@@ -327,6 +328,7 @@ def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, spli
 class _RowFold:
     """The fold of a tile that holds whole rows (fold.py's rule), and what it reports per row."""
 
+    fmt: ElemFormat  # the element format folded (fold.FOLDED_ELEMS)
     row_top: jax.Array | None = None  # (rows, 1) int32, once per_block has run
     nan_row: jax.Array | None = None  # (rows, 1) bool
     flushed: jax.Array | None = None  # (rows, 1) int32
@@ -336,7 +338,7 @@ class _RowFold:
         top = jnp.max(jnp.where(nonzero, exponent, tm.NO_BLOCK), axis=1, keepdims=True)
         self.row_top = jnp.where(top == tm.NO_BLOCK, 0, top)
         self.nan_row = jnp.max((~finite).astype(jnp.int32), axis=1, keepdims=True) > 0
-        shift, in_window = tm.fold_window(exponent, self.row_top, fold.fold_shift(jnp.float8_e4m3fn))
+        shift, in_window = tm.fold_window(exponent, self.row_top, self.fmt)
         flushed = nonzero & ~in_window & ~self.nan_row
         self.flushed = jnp.sum(flushed.astype(jnp.int32), axis=1, keepdims=True)
         return shift, in_window, self.nan_row
@@ -429,29 +431,34 @@ def _mx_call(x3, column, spec, rotation, sign_row, random, interpret, config, wi
 
 
 # ----------------------------------------------------------------------------------------------------
-# out="fp8_fold" through the MX kernel: write E2M1 + scales + per-tile row tops, then fold row-wise
+# out="fp8_fold" through the MX kernel: write its elements + scales + per-tile row tops, then fold row-wise
 
 
-def _fold_from_mx_kernel(data_ref, scale_ref, top_ref, nan_ref, out_ref, flushed_ref, *, block_size):
-    """Folds packed E2M1 bytes into pairs of E4M3 codes, one uint16 per byte (low byte: element 2i).
+def _fold_from_mx_kernel(data_ref, scale_ref, top_ref, nan_ref, out_ref, flushed_ref, *, fmt):
+    """Folds a tile of the mx kernel's output row-wise: packed E2M1 bytes into pairs of E4M3 codes, one
+    uint16 per byte (low byte: element 2i); MXFP6's stored E4M3 bytes one to one.
 
     Working on the packed bytes keeps the two codes of a byte together: no interleaving of nibbles in
     registers, and one 16-bit store per pair.
     """
-    packed = data_ref[...].astype(jnp.int32)  # (rows, bytes)
-    rows, n_bytes = packed.shape
-    nb, per_block = scale_ref.shape[1], block_size // 2
-    by_block = packed.reshape(rows, nb, per_block)
+    stored = data_ref[...].astype(jnp.int32)  # (rows, bytes)
+    rows, n_bytes = stored.shape
+    nb = scale_ref.shape[1]
+    by_block = stored.reshape(rows, nb, n_bytes // nb)
     scale = scale_ref[...].astype(jnp.int32).reshape(rows, nb, 1)
     exponent, row_top = scale - formats.SCALE_BIAS, top_ref[...].reshape(rows, 1, 1)
-    shift, in_window = tm.fold_window(exponent, row_top, fold.fold_shift(jnp.float8_e4m3fn))
-    pair = fold_e2m1_to_e4m3fn(by_block & 0xF, shift) | (fold_e2m1_to_e4m3fn(by_block >> 4, shift) << 8)
-    pair = jnp.where(in_window, pair, 0)
+    shift, in_window = tm.fold_window(exponent, row_top, fmt)
+    if fmt.name == "e2m1":
+        folded = fold_e2m1_to_e4m3fn(by_block & 0xF, shift) | (fold_e2m1_to_e4m3fn(by_block >> 4, shift) << 8)
+        nan_code, magnitudes = tm.E4M3FN_NAN * 0x101, 0x77
+    else:
+        folded = scale_e4m3fn(by_block, shift)
+        nan_code, magnitudes = tm.E4M3FN_NAN, 0x7F
     nan_row = nan_ref[...].reshape(rows, 1, 1) > 0
-    pair = jnp.where(nan_row, tm.E4M3FN_NAN * 0x101, pair)
-    out_ref[...] = pair.reshape(rows, n_bytes).astype(jnp.uint16)
+    folded = jnp.where(nan_row, nan_code, jnp.where(in_window, folded, 0))
+    out_ref[...] = folded.reshape(rows, n_bytes).astype(out_ref.dtype)
     finite = scale != formats.SCALE_NAN_BITS
-    nonzero = finite & (jnp.max(by_block & 0x77, axis=2, keepdims=True) > 0)
+    nonzero = finite & (jnp.max(by_block & magnitudes, axis=2, keepdims=True) > 0)
     flushed = (nonzero & ~in_window & ~nan_row).astype(jnp.int32)
     flushed_ref[...] = jnp.sum(flushed.reshape(rows, nb), axis=1, keepdims=True)
 
@@ -463,15 +470,18 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, random, interpret, config
     top = jnp.max(tops, axis=1, keepdims=True)
     top = jnp.where(top == tm.NO_BLOCK, 0, top)
     nan_row = jnp.max(nans, axis=1, keepdims=True)
+    fmt = get_elem_format(spec.elem)
+    per_byte = 2 if fmt.name == "e2m1" else 1  # elements per stored byte
     rows, n_bytes = data.shape
     tile = config.fold_from_mx
-    tr, tb = _pick(rows, tile.rows, 1), _pick(n_bytes, tile.cols // 2, spec.block_size // 2)
-    pairs, flushed = pl.pallas_call(
-        functools.partial(_fold_from_mx_kernel, block_size=spec.block_size),
+    block_bytes = spec.block_size // per_byte
+    tr, tb = _pick(rows, tile.rows, 1), _pick(n_bytes, tile.cols // per_byte, block_bytes)
+    codes, flushed = pl.pallas_call(
+        functools.partial(_fold_from_mx_kernel, fmt=fmt),
         grid=(rows // tr, n_bytes // tb),
         in_specs=[
             pl.BlockSpec((tr, tb), lambda i, j: (i, j)),
-            pl.BlockSpec((tr, tb * 2 // spec.block_size), lambda i, j: (i, j)),
+            pl.BlockSpec((tr, tb // block_bytes), lambda i, j: (i, j)),
             pl.BlockSpec((tr, 1), lambda i, j: (i, 0)),
             pl.BlockSpec((tr, 1), lambda i, j: (i, 0)),
         ],
@@ -480,15 +490,15 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, random, interpret, config
             pl.BlockSpec((tr, 1), lambda i, j: (i, j)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((rows, n_bytes), jnp.uint16),
+            jax.ShapeDtypeStruct((rows, n_bytes), jnp.uint16 if per_byte == 2 else jnp.uint8),
             jax.ShapeDtypeStruct((rows, n_bytes // tb), jnp.int32),
         ],
         compiler_params=_params(tile),
         interpret=interpret,
         name="fused_fold_from_mx",
     )(data, scale, top, nan_row)
-    folded = jax.lax.bitcast_convert_type(pairs, jnp.uint8).reshape(rows, 2 * n_bytes)  # little-endian
-    shift = fold.fold_shift(jnp.float8_e4m3fn)
+    folded = jax.lax.bitcast_convert_type(codes, jnp.uint8).reshape(rows, per_byte * n_bytes)  # little-endian
+    shift = fold.fold_shift(jnp.float8_e4m3fn, spec.elem)
     row_exponent = jnp.where(nan_row[:, 0] > 0, 0, top[:, 0] - shift)
     return folded, row_exponent, jnp.sum(flushed)
 
@@ -507,7 +517,7 @@ def _fold_one_pass_kernel(*refs, spec, rotation, has_signs, has_random, draw, co
     """The mx kernel's quantization of whole rows, written folded: E4M3 bytes, row exponents, flushes."""
     inputs, (data_ref, rowexp_ref, flushed_ref) = _Inputs.split(refs, has_signs, has_random, draw)
     fmt, rows = get_elem_format(spec.elem), data_ref.shape[0]
-    fold_rows = _RowFold()
+    fold_rows = _RowFold(fmt)
     size = _parts(spec, rotation, False, config)
     if size:
         _quantize_by_parts(
@@ -518,9 +528,9 @@ def _fold_one_pass_kernel(*refs, spec, rotation, has_signs, has_random, draw, co
         by_row = lambda v: v.reshape(rows, -1)  # noqa: E731  (rows, blocks)
         shift, keep, nan_row = fold_rows.per_block(by_row(exponent), by_row(finite), by_row(nonzero))
         by_block = codes.reshape(rows, -1, spec.block_size)
-        folded = tm.fold_elements(by_block, shift[:, :, None], keep[:, :, None], nan_row[:, :, None])
+        folded = tm.fold_elements(by_block, shift[:, :, None], keep[:, :, None], nan_row[:, :, None], fmt)
         data_ref[...] = folded.reshape(rows, -1).astype(jnp.uint8)
-    shift = fold.fold_shift(jnp.float8_e4m3fn)
+    shift = fold.fold_shift(jnp.float8_e4m3fn, spec.elem)
     rowexp_ref[...] = jnp.where(fold_rows.nan_row, 0, fold_rows.row_top - shift)
     flushed_ref[...] = fold_rows.flushed
 

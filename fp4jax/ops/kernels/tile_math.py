@@ -28,6 +28,7 @@ from fp4jax.ops.kernels.codes import (
     encode_e2m1_nearest_even,
     f32_bits,
     fold_e2m1_to_e4m3fn,
+    scale_e4m3fn,
     widen_mxfp6_to_e4m3fn,
 )
 from fp4jax.ops.quantize import (
@@ -269,26 +270,33 @@ def pack_e2m1(codes: jax.Array) -> jax.Array:
     return jnp.sum((codes.reshape(-1, 2) & 0xF) << shift, axis=1)
 
 
-def fold_window(exponent, row_top, shift: int):
-    """Per block: (the power of two its E2M1 values are scaled by in the fold, whether it is in the window).
+def fold_window(exponent, row_top, fmt: ElemFormat):
+    """Per block: (the power of two its values are scaled by in the fold, whether it is in the window).
 
-    Blocks more than fold.WINDOW binades below their row's top block are outside (flushed to +0).
+    Blocks more than the element's window (fold.fold_params: 14 binades for E2M1, 11 for E2M3) below
+    their row's top block are outside (flushed to +0).
     """
+    params = fold.fold_params(fmt.name)
     delta = exponent - row_top
-    return jnp.clip(delta, -fold.WINDOW, 0) + shift, delta >= -fold.WINDOW
+    return jnp.clip(delta, -params.window, 0) + params.shift, delta >= -params.window
 
 
-def fold_elements(codes, shift, in_window, nan_row):
-    """E4M3FN codes of E2M1 `codes` times 2^shift; +0 outside the window, NaN in NaN rows (fold.py's rule).
+def fold_elements(codes, shift, in_window, nan_row, fmt: ElemFormat):
+    """E4M3FN codes of fmt's `codes` times 2^shift; +0 outside the window, NaN in NaN rows (fold.py's
+    rule). E2M1 codes are folded directly, E2M3 codes through their stored E4M3 bytes.
 
     The arguments broadcast against each other (per element, per block or per row)."""
-    folded = jnp.where(in_window, fold_e2m1_to_e4m3fn(codes, shift), 0)
+    if fmt.name == "e2m1":
+        scaled = fold_e2m1_to_e4m3fn(codes, shift)
+    else:
+        scaled = scale_e4m3fn(stored_codes(codes, fmt), shift)
+    folded = jnp.where(in_window, scaled, 0)
     return jnp.where(nan_row, E4M3FN_NAN, folded)
 
 
-def fold_codes(codes, exponent, nonzero, row_top, nan_row, shift: int):
+def fold_codes(codes, exponent, nonzero, row_top, nan_row, fmt: ElemFormat):
     """E4M3FN codes of q 2^(e_b - top + shift), flushed blocks +0, NaN rows NaN (fold.py's rule)."""
-    block_shift, in_window = fold_window(exponent, row_top, shift)
-    folded = fold_elements(codes, block_shift[:, None], in_window[:, None], nan_row[:, None])
+    block_shift, in_window = fold_window(exponent, row_top, fmt)
+    folded = fold_elements(codes, block_shift[:, None], in_window[:, None], nan_row[:, None], fmt)
     flushed = nonzero & ~in_window & ~nan_row
     return folded, flushed
