@@ -10,7 +10,9 @@ the time) and what one element costs in storage, every array of the result count
 tensor scales): the dtypes' bits, and the bytes the device holds (`on_device_size_in_bytes`: 8 bits for
 a 4-bit dtype unless the platform packs it). This is the XLA quantizer every format has. For the MX
 formats the last columns time the fused Pallas quantizer too (`rotate_quantize(impl="pallas")`, where
-`pallas_supports` says it runs, else "-") and check that its bits are quantize_operand's. Deterministic
+`pallas_supports` says it runs, else "-") and check that its bits are quantize_operand's; for the
+elements the `fp8` back end folds (E2M1, E2M3), the operand that back end multiplies, made both ways: XLA's
+quantize_operand then fold_mx_to_fp8, and the fused fold in one pass (`out="fp8_fold"`). Deterministic
 rounding only (stochastic: --rounding in bench_quantize.py, which times the fused kernels' layouts).
 """
 
@@ -23,7 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.ops import QuantSpec, RotationSpec, pallas_supports, quantize_operand, rotate_quantize
+from fp4jax.ops import (
+    QuantSpec,
+    RotationSpec,
+    fold_mx_to_fp8,
+    pallas_supports,
+    quantize_operand,
+    rotate_quantize,
+)
+from fp4jax.ops.kernels.fused_quantize import FOLDED_ELEMS
 
 FORMATS = {
     "mxfp4 (E2M1)": QuantSpec(kind="mx", elem="e2m1", scale_mode="even"),
@@ -57,7 +67,7 @@ def bench_shape(rows: int, cols: int, calls: int) -> list[list[str]]:
     n = rows * cols
     shape = f"{rows}x{cols}"
     copy_row = [shape, "copy ceiling (x * 2)", f"{copy * 1e6:.1f}", "16", "2.000"]
-    table = [[*copy_row, f"{4 * n / copy / 1e12:.2f}", "", "", ""]]
+    table = [[*copy_row, f"{4 * n / copy / 1e12:.2f}", "", "", "", "", "", ""]]
     for name, spec in FORMATS.items():
         fn = jax.jit(lambda x, spec=spec: quantize_operand(x, spec, None, None))
         seconds = harness.amortized_seconds(fn, inputs, calls)
@@ -66,7 +76,8 @@ def bench_shape(rows: int, cols: int, calls: int) -> list[list[str]]:
         speed = (2 * n + device_bytes) / seconds / 1e12
         per_element = [f"{bits / n:.3f}", f"{device_bytes / n:.3f}"]
         fused = _fused(spec, inputs, calls, result, 2 * n + device_bytes)
-        table.append([shape, name, f"{seconds * 1e6:.1f}", *per_element, f"{speed:.2f}", *fused])
+        folded = _folded(spec, inputs, calls)
+        table.append([shape, name, f"{seconds * 1e6:.1f}", *per_element, f"{speed:.2f}", *fused, *folded])
         print(" | ".join(table[-1]), flush=True)
     return table
 
@@ -87,6 +98,27 @@ def _fused(spec: QuantSpec, inputs, calls: int, reference, moved_bytes: int) -> 
     return [f"{seconds * 1e6:.1f}", f"{moved_bytes / seconds / 1e12:.2f}", "yes" if same else "NO"]
 
 
+def _folded(spec: QuantSpec, inputs, calls: int) -> list[str]:
+    """[us of XLA's quantize + fold, us of the fused fold, same bits] of the fp8 back end's operand, or
+    dashes for a format it does not fold or where the kernels do not run."""
+    shape = inputs[0][0].shape
+    if (
+        spec.kind != "mx"
+        or spec.elem not in FOLDED_ELEMS
+        or not pallas_supports(shape, -1, spec, RotationSpec())
+    ):
+        return ["-", "-", "-"]
+    xla = jax.jit(lambda x: fold_mx_to_fp8(quantize_operand(x, spec, None, None)))
+    fused = jax.jit(lambda x: rotate_quantize(x, axis=-1, spec=spec, out="fp8_fold", impl="pallas"))
+    times = [harness.amortized_seconds(fn, inputs, calls) for fn in (xla, fused)]
+    want, got = xla(*inputs[0]), fused(*inputs[0])
+    same = all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        for a, b in ((got.data, want.data), (got.row_exponent, want.row_exponent))
+    )
+    return [f"{times[0] * 1e6:.1f}", f"{times[1] * 1e6:.1f}", "yes" if same else "NO"]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8192x8192", help="MxK,... (bf16 operands)")
@@ -101,8 +133,9 @@ def main():
         harness.heading("Operand quantizer per format (quantize_operand, XLA; fused Pallas for MX)"),
         "",
         "| shape | format | us | bits / element (dtypes) | device bytes / element | effective TB/s "
-        "| fused us | fused TB/s | same bits |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| fused us | fused TB/s | same bits "
+        "| fp8 operand: XLA quantize + fold us | fused fold us | same bits |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
         *("| " + " | ".join(r) + " |" for r in rows),
         "",
     ]
