@@ -8,7 +8,8 @@
 #    (the FP8 accumulation bound), the three diagnostics tests that compile the operand capture, the
 #    Pallas flash attention (the deterministic runs' kernel), the 6-bit packing, and NVFP4's quantizer
 #    and GEMMs against their references (XLA:GPU folded a float32 -> E4M3 -> float32 rounding away there,
-#    which no CPU run shows: docs/numerics.md, "Widening a rounded value on GPUs").
+#    which no CPU run shows: docs/numerics.md, "Widening a rounded value on GPUs"), and the compiled
+#    fused quantizer kernels (every MX element, both outputs) in the GEMMs' wiring.
 # 2. benchmarks/gpu_repro_diagnostics.py: which construct trips XLA when compiling the capture.
 # 3. benchmarks/gpu_probe_fp8.sh (short steps): compile time of the fp8 back end, Triton GEMM on / off.
 set -u
@@ -21,8 +22,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 status=0
 
-echo "=== pytest (timeout 200 s)"
-timeout -k 5 200 python -m pytest -p no:cacheprovider -rs -q \
+echo "=== pytest (timeout 260 s)"
+timeout -k 5 260 python -m pytest -p no:cacheprovider -rs -q \
   tests/test_backends.py tests/test_fold.py \
   tests/test_fused_quantize.py::test_rotation_spellings_give_the_same_bits \
   tests/test_configs.py::test_configs_import_from_anywhere_without_sys_path_edits \
@@ -34,6 +35,8 @@ timeout -k 5 200 python -m pytest -p no:cacheprovider -rs -q \
   tests/test_llama.py::test_pallas_attention_matches_naive_and_xla_gradients \
   tests/test_packing.py tests/test_nvfp4.py tests/test_exact_division.py \
   tests/test_formats_nvfp4_gemm.py::test_presets_forward_and_gradients_match_the_reference \
+  tests/test_fused_quantize.py::test_compiled_pallas_matches_reference_on_hard_inputs \
+  tests/test_gemm_operands.py::test_pallas_wiring_gives_the_reference_products \
   >"$logs/pytest.log" 2>&1
 rc=$?; echo "pytest rc=$rc"; [ "$rc" = 0 ] || status=1
 grep -E "passed|failed|error|^FAILED|^ERROR|^SKIPPED" "$logs/pytest.log" | tail -40
