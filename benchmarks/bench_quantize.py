@@ -21,8 +21,9 @@ mxfp4_full_sr_prescale's: --rounding stochastic --prescale 0.75). Every call the
 as an argument, so stochastic rounding draws its bits at run time (inside each timed call) as in
 training, and `same` compares against quantize_mx with that key. --sr-bits picks the Pallas rows by
 where their random bits come from (KernelConfig.kernel_bits): `kernel` (row "pallas": drawn inside the
-kernels, the default) and `xla` (row "pallas xla-bits": drawn by XLA, read by the kernels), so
-`--sr-bits kernel,xla` times both in one process.
+kernels in both layouts, "always") and `xla` (row "pallas xla-bits": drawn by XLA, read by the kernels,
+"never"), so `--sr-bits kernel,xla` times both in one process (the default, "columns", takes the
+kernel's row for column-wise operands and XLA's for row-wise ones).
 Effective TB/s = (bytes of the bf16 input + bytes of the outputs) / median time (stochastic rounding's
 uint32 bits, written by XLA and read by the kernel in the xla-bits rows, are not counted); the copy
 ceiling is a plain bf16 `x * 2` (read + write). `same` says whether the result equals, bit for bit, the
@@ -146,7 +147,7 @@ def run(shapes, iters: int, impls: list[str], config: KernelConfig) -> list[tupl
 
 
 # --sr-bits: the Pallas row of each source of stochastic rounding's bits, and its KernelConfig.kernel_bits.
-SR_BITS = {"kernel": ("pallas", True), "xla": ("pallas xla-bits", False)}
+SR_BITS = {"kernel": ("pallas", "always"), "xla": ("pallas xla-bits", "never")}
 
 
 def _candidates(axis, rotation, out, impls, config):

@@ -585,12 +585,14 @@ def test_threefry_formula_applies_only_where_it_is_jax():
 
 
 # Small tiles, so that every term of a tile's draw numbers is exercised: two batch axes, two row tiles
-# and two column tiles per batch element (two rows per one-pass program).
+# and two column tiles per batch element (two rows per one-pass program); the bits drawn in the kernels
+# in both layouts.
 SMALL_TILES = fq.KernelConfig(
     mx_row=Tile(16, 128, 4),
     mx_column=Tile(16, 128, 8),
     mx_column_unrotated=Tile(16, 128, 8),
     one_pass=Tile(1, 512, 8),
+    kernel_bits="always",
 )
 KERNEL_BITS_CASES = {  # (axis, rotation, spec, out or fold method)
     "row-sr-mx": (-1, NO_ROTATION, SR, "mx"),  # the tile drawn whole
@@ -643,7 +645,7 @@ def test_pallas_kernel_drawn_bits_match_reference(case):
 
 def test_pallas_falls_back_to_xla_drawn_bits_where_the_formula_is_not_jax():
     """Without jax_threefry_partitionable (jax then draws other bits), with a non-threefry key, or with
-    KernelConfig(kernel_bits=False), XLA draws the bits and the kernels read them: the reference's bits
+    KernelConfig(kernel_bits="never"), XLA draws the bits and the kernels read them: the reference's bits
     still. The first is checked to differ from the partitionable draw, so equality there says something."""
     axis, rotation, spec, out = KERNEL_BITS_CASES["row-sr-mx"]
     x, key = _batched_operand(axis), FORMULA_KEYS[0]
@@ -655,11 +657,27 @@ def test_pallas_falls_back_to_xla_drawn_bits_where_the_formula_is_not_jax():
     assert np.any(_bits(partitionable.data) != _bits(got.data))
     for other_key, config in (
         (jax.random.key(3, impl="rbg"), SMALL_TILES),
-        (key, dataclasses.replace(SMALL_TILES, kernel_bits=False)),
+        (key, dataclasses.replace(SMALL_TILES, kernel_bits="never")),
     ):
         got, xla_draws, want = _pallas_sr(x, axis, rotation, spec, out, other_key, config)
         assert xla_draws
         _assert_same(got, want)
+
+
+def test_by_default_the_kernels_draw_column_operands_bits_and_xla_row_operands():
+    """KernelConfig's default, kernel_bits="columns" (the H200's faster choice): a column-wise SR operand's
+    bits are drawn in the kernel, a row-wise one's by XLA; the reference's bits both ways. A bad value is
+    one line."""
+    default = dataclasses.replace(SMALL_TILES, kernel_bits=fq.KernelConfig().kernel_bits)
+    for case, drawn_by_xla in (("col-sr-mx", False), ("row-sr-mx", True)):
+        axis, rotation, spec, out = KERNEL_BITS_CASES[case]
+        x = _batched_operand(axis)
+        got, xla_draws, want = _pallas_sr(x, axis, rotation, spec, out, FORMULA_KEYS[0], default)
+        assert xla_draws == drawn_by_xla, case
+        _assert_same(got, want)
+    with pytest.raises(ValueError, match="unknown KernelConfig.kernel_bits 'rows': use one of always") as err:
+        fq.KernelConfig(kernel_bits="rows")
+    assert "\n" not in str(err.value)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -36,9 +36,10 @@ Pallas kernels draw them themselves: jax's draw is a counter formula, threefry.r
 i), and each tile evaluates it at its elements' output indices (for a column-wise operand x's tile is
 transposed in registers; the indices are the output's). That holds where threefry.formula_applies,
 asked each time the quantizer is traced (jax_threefry_partitionable on, a threefry2x32 key, at most
-2**32 elements); elsewhere, and with KernelConfig(kernel_bits=False), XLA draws the bits and the kernels
-read them as one more input tiled like the output (4 bytes written and 4 read per element more): the
-same bits either way, never a change of numerics. tile_math.encode_elements applies
+2**32 elements) and KernelConfig.kernel_bits asks (by default for column-wise operands: on the H200
+that is where it is faster); elsewhere XLA draws the bits and the kernels read them as one more input
+tiled like the output (4 bytes written and 4 read per element more): the same bits either way, never a
+change of numerics. tile_math.encode_elements applies
 quantize.round_to_grid's own formula to them (the top 24 bits as the uniform variate), so the same key
 gives the reference's result. A prescale is quantize_mx's one float32 multiply after the exact scaling,
 in both implementations.
@@ -271,7 +272,7 @@ def _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret
     sign_row = _sign_row(rotation, signs, n)
     if impl == "pallas":
         x3 = x.reshape(-1, *x.shape[-2:])
-        key_words = _kernel_key_words(spec, key, x.size, config)
+        key_words = _kernel_key_words(spec, key, x.size, config.draws_in_kernel(column))
         random_bits = None if key_words is not None else _random_bits(spec, key, out_shape)
         bits3 = None if random_bits is None else random_bits.reshape(x3.shape[0], -1, n)
         raw = pallas_kernels.rotate_quantize_3d(
@@ -297,14 +298,15 @@ def _random_bits(spec: QuantSpec, key, out_shape):
     return quantize.stochastic_bits(key, (*out_shape[:-1], n // spec.block_size, spec.block_size))
 
 
-def _kernel_key_words(spec: QuantSpec, key, size: int, config: KernelConfig):
+def _kernel_key_words(spec: QuantSpec, key, size: int, in_kernel: bool):
     """The key's two uint32 words where the Pallas kernels draw SR's bits themselves, else None.
 
-    They do where the config asks (kernel_bits) and threefry's formula is jax.random.bits for this key
-    and size, asked here, when tracing (jax_threefry_partitionable is part of jit's cache key, and a
-    key's implementation is part of its type): elsewhere `_random_bits` draws the same bits in XLA.
+    They do where the config asks for this layout (in_kernel) and threefry's formula is jax.random.bits
+    for this key and size, asked here, when tracing (jax_threefry_partitionable is part of jit's cache
+    key, and a key's implementation is part of its type): elsewhere `_random_bits` draws the same bits
+    in XLA.
     """
-    if spec.rounding != "stochastic" or not config.kernel_bits or not threefry.formula_applies(key, size):
+    if spec.rounding != "stochastic" or not in_kernel or not threefry.formula_applies(key, size):
         return None
     return jax.random.key_data(key)
 

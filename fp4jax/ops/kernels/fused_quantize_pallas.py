@@ -63,6 +63,9 @@ class Tile:
             require_power_of_two(getattr(self, field.name), f"Tile.{field.name}")
 
 
+KERNEL_BITS = ("always", "columns", "never")  # KernelConfig.kernel_bits
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """How the Pallas kernels tile and move memory; the same bits whatever it says (a speed knob only).
@@ -79,9 +82,12 @@ class KernelConfig:
         by parts with one contiguous load split in registers (True) or with one strided load per part.
       one_pass_max_row_rotated, _unrotated: the longest rows (powers of two) the row-wise fold runs in
         one pass; longer rows, and 0 for none, fold via the mx kernel.
-      kernel_bits: stochastic rounding's bits drawn inside the kernels where threefry.formula_applies
-        (no bits in HBM); False: drawn by XLA and read by the kernels (4 + 4 bytes per element). The
-        same bits either way; the switch is for timing the two side by side.
+      kernel_bits: where stochastic rounding's bits are drawn inside the kernels (threefry.formula_applies
+        permitting; no bits in HBM) rather than drawn by XLA and read (4 + 4 bytes per element): "always",
+        "columns" (column-wise operands only) or "never". The same bits either way. "columns" is the
+        H200's faster choice: drawing in the kernel saved 9-13 % on column-wise tiles, where the
+        transpose leaves the SM room, and cost 8-42 % on row-wise ones, which are compute-bound
+        already (docs/performance.md, "Stochastic rounding in the kernels").
     """
 
     mx_row: Tile = Tile(32, 256, 4)
@@ -94,11 +100,19 @@ class KernelConfig:
     one_pass_split_loads: bool = False
     one_pass_max_row_rotated: int = 8192
     one_pass_max_row_unrotated: int = 2048
-    kernel_bits: bool = True
+    kernel_bits: str = "columns"
 
     def __post_init__(self):
         if self.column_parts:
             require_power_of_two(self.column_parts, "KernelConfig.column_parts (or 0)")
+        if self.kernel_bits not in KERNEL_BITS:
+            raise ValueError(
+                f"unknown KernelConfig.kernel_bits {self.kernel_bits!r}: use one of {', '.join(KERNEL_BITS)}"
+            )
+
+    def draws_in_kernel(self, column: bool) -> bool:
+        """Whether SR's bits for this layout are drawn inside the kernels (kernel_bits)."""
+        return self.kernel_bits == "always" or (self.kernel_bits == "columns" and column)
 
     def one_pass_max_row(self, rotated: bool) -> int:
         return self.one_pass_max_row_rotated if rotated else self.one_pass_max_row_unrotated
