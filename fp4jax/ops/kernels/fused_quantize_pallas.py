@@ -464,10 +464,10 @@ def _fold_from_mx_kernel(data_ref, scale_ref, top_ref, nan_ref, out_ref, flushed
     shift, in_window = tm.fold_window(exponent, row_top, fmt)
     if fmt.name == "e2m1":
         folded = fold_e2m1_to_e4m3fn(by_block & 0xF, shift) | (fold_e2m1_to_e4m3fn(by_block >> 4, shift) << 8)
-        nan_code, magnitudes = tm.E4M3FN_NAN * 0x101, 0x77
+        nan_code, magnitudes = tm.E4M3FN_NAN * 0x101, 0x77  # a NaN pair; both nibbles' magnitude bits
     else:
         folded = scale_e4m3fn(by_block, shift)
-        nan_code, magnitudes = tm.E4M3FN_NAN, 0x7F
+        nan_code, magnitudes = tm.E4M3FN_NAN, 0x7F  # an E4M3 byte's magnitude bits
     nan_row = nan_ref[...].reshape(rows, 1, 1) > 0
     folded = jnp.where(nan_row, nan_code, jnp.where(in_window, folded, 0))
     out_ref[...] = folded.reshape(rows, n_bytes).astype(out_ref.dtype)
