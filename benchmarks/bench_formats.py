@@ -29,11 +29,11 @@ from fp4jax.ops import (
     QuantSpec,
     RotationSpec,
     fold_mx_to_fp8,
+    is_foldable,
     pallas_supports,
     quantize_operand,
     rotate_quantize,
 )
-from fp4jax.ops.kernels.fused_quantize import FOLDED_ELEMS
 
 FORMATS = {
     "mxfp4 (E2M1)": QuantSpec(kind="mx", elem="e2m1", scale_mode="even"),
@@ -76,7 +76,7 @@ def bench_shape(rows: int, cols: int, calls: int) -> list[list[str]]:
         speed = (2 * n + device_bytes) / seconds / 1e12
         per_element = [f"{bits / n:.3f}", f"{device_bytes / n:.3f}"]
         fused = _fused(spec, inputs, calls, result, 2 * n + device_bytes)
-        folded = _folded(spec, inputs, calls)
+        folded = _folded(spec, inputs, calls, result)
         table.append([shape, name, f"{seconds * 1e6:.1f}", *per_element, f"{speed:.2f}", *fused, *folded])
         print(" | ".join(table[-1]), flush=True)
     return table
@@ -98,15 +98,12 @@ def _fused(spec: QuantSpec, inputs, calls: int, reference, moved_bytes: int) -> 
     return [f"{seconds * 1e6:.1f}", f"{moved_bytes / seconds / 1e12:.2f}", "yes" if same else "NO"]
 
 
-def _folded(spec: QuantSpec, inputs, calls: int) -> list[str]:
+def _folded(spec: QuantSpec, inputs, calls: int, quantized) -> list[str]:
     """[us of XLA's quantize + fold, us of the fused fold, same bits] of the fp8 back end's operand, or
-    dashes for a format it does not fold or where the kernels do not run."""
+    dashes for a format it does not fold (`quantized`, quantize_operand's result, is not foldable) or
+    where the kernels do not run."""
     shape = inputs[0][0].shape
-    if (
-        spec.kind != "mx"
-        or spec.elem not in FOLDED_ELEMS
-        or not pallas_supports(shape, -1, spec, RotationSpec())
-    ):
+    if not is_foldable(quantized) or not pallas_supports(shape, -1, spec, RotationSpec()):
         return ["-", "-", "-"]
     xla = jax.jit(lambda x: fold_mx_to_fp8(quantize_operand(x, spec, None, None)))
     fused = jax.jit(lambda x: rotate_quantize(x, axis=-1, spec=spec, out="fp8_fold", impl="pallas"))
