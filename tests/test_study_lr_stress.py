@@ -196,6 +196,7 @@ def test_the_report_writes_spikes_per_stage_and_says_not_run_for_a_stage_without
         "| b | not run | +0.0320 (s0 +0.0300, s1 +0.0340); 1 spike in 1 of 2 ended runs |"
     )
     assert "s0 diverged @ step 164 (loss_spike): no metric" in b_row and lr_stress.LESS_STABLE in b_row
+    assert (out / "lr_stress_ref.png").stat().st_size > 10_000  # the series' figure, written beside it
     assert not (out / "claims.json").exists()
 
 

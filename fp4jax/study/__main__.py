@@ -104,7 +104,7 @@ def write_progress(the_plan, root: str, out: str | None) -> None:
 
 def write_lr_series(the_plan, root: str, out: str | None) -> None:
     """Each LR series (lr_stress.series) whose stages have any run: printed, and DIR/lr_stress_<reference>
-    .md and .json; its points without runs read "not run"."""
+    .md, .json and .png (plots.plot_lr_series); its points without runs read "not run"."""
     for reference in lr_stress.references(the_plan):
         stages = [s for s in the_plan.stages if reference in (s.name, s.lr_reference)]
         if not any(os.path.isdir(plan.stage_root(root, s)) for s in stages):
@@ -114,7 +114,9 @@ def write_lr_series(the_plan, root: str, out: str | None) -> None:
         text = lr_stress.series_markdown(result)
         print(text)
         if out:
-            _write_md_json(os.path.join(out, f"lr_stress_{reference}"), text, result)
+            base = os.path.join(out, f"lr_stress_{reference}")
+            _write_md_json(base, text, result)
+            plots.plot_lr_series(result, base + ".png")
 
 
 def write_claims(the_plan, root: str, out: str | None) -> dict | None:

@@ -15,6 +15,7 @@ __all__ = [
     "plot_forest",
     "plot_forest_by_design",
     "plot_lr",
+    "plot_lr_series",
     "plot_overhead",
 ]
 
@@ -208,6 +209,45 @@ def plot_branches(result: dict, path: str) -> None:
         )
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _save(fig, path)
+
+
+def plot_lr_series(result: dict, path: str) -> None:
+    """An LR series (lr_stress.series's dict): each arm's eval loss minus the baseline's at the same peak
+    LR, against the LR's multiple of the study's: each seed (dots), their mean (line), a run without the
+    metric (diverged or failed) as an x on the upper edge (black: the baseline's), and each cell's counted
+    spikes beside it."""
+    plt = _pyplot()
+    points, base = result["points"], result["baseline"]
+    xs = [p["peak_lr"] / points[0]["peak_lr"] for p in points]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    arms = [a for a in result["arms"] if a != base]
+    for i, arm in enumerate(arms):
+        color, cells = f"C{i}", [p["arms"][arm] for p in points]
+        shown = [(x, c["difference"]) for x, c in zip(xs, cells, strict=True) if c["difference"] is not None]
+        ax.plot([x for x, _ in shown], [d for _, d in shown], "-", color=color, label=arm, lw=1.2)
+        for x, cell in zip(xs, cells, strict=True):
+            seeds = [d for d in cell["per_seed"].values() if d is not None]
+            ax.plot([x] * len(seeds), seeds, "o", color=color, ms=4, alpha=0.6)
+            lost = [m for m in cell["no_metric"] if m["outcome"] != "not run"]
+            if lost:  # at the top of the axes, whatever the data's range
+                ax.plot(x, 0.97, "x", color=color, ms=8, transform=ax.get_xaxis_transform(), clip_on=False)
+            if cell["spikes"]:
+                ax.annotate(f"{cell['spikes']} sp.", (x, 0.92 - 0.05 * i), xycoords=("data", "axes fraction"),
+                            color=color, fontsize=7, ha="center")  # fmt: skip
+    for x, point in zip(xs, points, strict=True):  # the baseline's own lost runs leave no difference
+        if any(m["outcome"] != "not run" for m in point["arms"][base]["no_metric"]):
+            ax.plot(x, 0.97, "x", color="k", ms=8, transform=ax.get_xaxis_transform(), clip_on=False)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [p["label"] for p in points])
+    ax.set(
+        xlabel="peak LR, multiple of the study's",
+        ylabel=f"eval loss - {base} at the same LR (nats)",
+        title="LR stress: x = a run without the metric (diverged); sp. = spikes counted",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
     _save(fig, path)
 
 
