@@ -254,9 +254,7 @@ def _quantize_side(
     """
     impl = _fused_impl(x.shape, axis, spec, rotation, quantizer)
     if impl is not None:
-        # The fused quantizer folds what the fp8 back end would (E2M1, E2M3); anything else it writes
-        # as an MXArray for the back end to multiply.
-        out = "fp8_fold" if fold_out and spec.elem in fused_quantize.FOLDED_ELEMS else "mx"
+        out = "fp8_fold" if fold_out else "mx"
         return fused_quantize.rotate_quantize(
             x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl=impl
         )
