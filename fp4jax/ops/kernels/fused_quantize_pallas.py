@@ -395,7 +395,7 @@ def _mx_call(x3, column, spec, rotation, sign_row, random, interpret, config, wi
     tile = _mx_tile(spec, rotation, column, config)
     tr = _pick(out_rows, tile.rows, 1)  # output-orientation rows per tile
     tn = _pick(n, tile.cols, rotation.length_multiple(spec.block_size))  # columns: the quantized axis
-    per_byte = 2 if spec.elem == "e2m1" else 1
+    per_byte = tm.elements_per_byte(get_elem_format(spec.elem))
     nb = n // spec.block_size
     grid = (batch, out_rows // tr, n // tn)
     if column:
@@ -485,7 +485,7 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, random, interpret, config
     top = jnp.where(top == tm.NO_BLOCK, 0, top)
     nan_row = jnp.max(nans, axis=1, keepdims=True)
     fmt = get_elem_format(spec.elem)
-    per_byte = 2 if fmt.name == "e2m1" else 1  # elements per stored byte
+    per_byte = tm.elements_per_byte(fmt)
     rows, n_bytes = data.shape
     tile = config.fold_from_mx
     block_bytes = spec.block_size // per_byte

@@ -55,6 +55,7 @@ __all__ = [
     "quantize_tile",
     "rounded_nonzero",
     "scale_bits",
+    "elements_per_byte",
     "stored_codes",
     "stored_data",
 ]
@@ -255,10 +256,15 @@ def stored_codes(codes: jax.Array, fmt: ElemFormat) -> jax.Array:
     return codes
 
 
+def elements_per_byte(fmt: ElemFormat) -> int:
+    """How many elements one byte of an MXArray's data holds: E2M1 packs two, the others take a byte."""
+    return 2 if fmt.name == "e2m1" else 1
+
+
 def stored_data(codes: jax.Array, fmt: ElemFormat) -> jax.Array:
     """A tile's codes as the flat bytes an MXArray's data hold: E2M1 packed two to a byte, else one
     stored_codes byte per element."""
-    return pack_e2m1(codes) if fmt.name == "e2m1" else stored_codes(codes, fmt).reshape(-1)
+    return pack_e2m1(codes) if elements_per_byte(fmt) == 2 else stored_codes(codes, fmt).reshape(-1)
 
 
 def pack_e2m1(codes: jax.Array) -> jax.Array:
