@@ -91,11 +91,8 @@ def _fused(spec: QuantSpec, inputs, calls: int, reference, moved_bytes: int) -> 
     fn = jax.jit(lambda x: rotate_quantize(x, axis=-1, spec=spec, out="mx", impl="pallas"))
     seconds = harness.amortized_seconds(fn, inputs, calls)
     got = fn(*inputs[0])
-    same = all(
-        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-        for a, b in ((got.data, reference.data), (got.scale, reference.scale))
-    )
-    return [f"{seconds * 1e6:.1f}", f"{moved_bytes / seconds / 1e12:.2f}", "yes" if same else "NO"]
+    same = _same_bits((got.data, reference.data), (got.scale, reference.scale))
+    return [f"{seconds * 1e6:.1f}", f"{moved_bytes / seconds / 1e12:.2f}", same]
 
 
 def _folded(spec: QuantSpec, inputs, calls: int, quantized) -> list[str]:
@@ -109,11 +106,14 @@ def _folded(spec: QuantSpec, inputs, calls: int, quantized) -> list[str]:
     fused = jax.jit(lambda x: rotate_quantize(x, axis=-1, spec=spec, out="fp8_fold", impl="pallas"))
     times = [harness.amortized_seconds(fn, inputs, calls) for fn in (xla, fused)]
     want, got = xla(*inputs[0]), fused(*inputs[0])
-    same = all(
-        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-        for a, b in ((got.data, want.data), (got.row_exponent, want.row_exponent))
-    )
-    return [f"{times[0] * 1e6:.1f}", f"{times[1] * 1e6:.1f}", "yes" if same else "NO"]
+    same = _same_bits((got.data, want.data), (got.row_exponent, want.row_exponent))
+    return [f"{times[0] * 1e6:.1f}", f"{times[1] * 1e6:.1f}", same]
+
+
+def _same_bits(*pairs) -> str:
+    """ "yes" when every (got, want) pair of arrays holds the same bytes, else "NO"."""
+    same = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)) for a, b in pairs)
+    return "yes" if same else "NO"
 
 
 def main():
