@@ -70,6 +70,57 @@ def test_wgrad_dominated_degradation_supports_claim_a_and_h16_at_fprop_level_sup
     assert _row(result, "C3")["tokens"]["overhead"] == pytest.approx(1.04 / 1.03 - 1, abs=0.003)
 
 
+def _contrast_row(name, estimate, p, reject_key="p_holm", m=8):
+    adjusted = min(1.0, p * m)  # a stand-in for the row's corrected p; only `reject` and the sign decide
+    return {"name": name, "estimate": estimate, "p": p, reject_key: adjusted, "reject": adjusted <= 0.05}
+
+
+def _verdict_a(c1, c2, c3, front, ordering):
+    """Claim (a)'s verdict from hand-made rows: (estimate, unadjusted p) per contrast and sum."""
+    rows = [_contrast_row(n, *v) for n, v in (("C1", c1), ("C2", c2), ("C3", c3))]
+    sums = [_contrast_row(n, *v, "p_bonferroni") for n, v in (("C2 + C3", front), ("C1 - C2 - C3", ordering))]
+    result = {"contrasts": rows, "derived": sums, "not_estimable": [], "not_in_design": []}
+    return claims.claim_verdicts(result)["a"]["verdict"]
+
+
+# (estimate, unadjusted p) of C1, C2, C3, C2 + C3 and C1 - C2 - C3, and claim (a)'s verdict.
+CLAIM_A_CASES = {
+    # C2 and C3 each too small to pass the correction, their sum significant: refuted by the sum.
+    "joint share refutes": ((0.001, 0.8), (0.01, 0.02), (0.01, 0.02), (0.02, 1e-4), (-0.02, 0.01), "refuted"),
+    # C2 passes the correction but C3 is negative and their sum is not significant: not refuted.
+    "C2 alone does not": (
+        (0.001, 0.8), (0.02, 1e-4), (-0.015, 0.001), (0.005, 0.3), (-0.01, 0.2), "not resolved at this scale"
+    ),
+    # C1 significant: never refuted; supported only when the ordering passes Bonferroni (0.02 * 8 does not).
+    "ordering too weak": (
+        (0.03, 1e-5), (0.01, 0.01), (0.01, 0.01), (0.02, 1e-4), (0.01, 0.02), "not resolved at this scale"
+    ),
+    "supported": ((0.03, 1e-5), (0.01, 0.01), (0.01, 0.01), (0.02, 1e-4), (0.01, 1e-4), "supported"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CLAIM_A_CASES)
+def test_claim_a_follows_the_pre_registered_rule_on_the_sums(case):
+    """study_plan.md: supported when C1 is significantly > 0 and C1 > C2 + C3; refuted when C1 is not
+    significantly > 0 while C2 + C3 is. The sums decide, not C2 or C3 alone."""
+    c1, c2, c3, front, ordering, verdict = CLAIM_A_CASES[case]
+    assert _verdict_a(c1=c1, c2=c2, c3=c3, front=front, ordering=ordering) == verdict
+
+
+def test_claim_a_sums_are_judged_by_bonferroni_over_the_holm_family():
+    result = _study(**WGRAD_DOMINATED, full_sr_prescale=0.15, full_h16=0.03)
+    m = len(result["contrasts"])
+    sums = {r["name"]: r for r in result["derived"]}
+    assert set(sums) == set(claims.DERIVED) and m == 7  # ARMS plans no h16_wgrad_only: no C4
+    for row in sums.values():
+        assert row["family_size"] == m
+        assert row["p_bonferroni"] == pytest.approx(min(1.0, row["p"] * m))
+        assert row["reject"] == (row["p_bonferroni"] <= 0.05)
+    # C2 + C3 is fprop_dgrad - fp8 (the same model, the same estimate).
+    assert sums["C2 + C3"]["estimate"] == pytest.approx(_row(result, "fprop_dgrad - fp8")["estimate"])
+    assert "judged by Bonferroni over its 7" in claims.to_markdown(result)
+
+
 def test_a_stabiliser_that_helps_refutes_b_and_an_h16_far_above_fprop_refutes_c():
     result = _study(**WGRAD_DOMINATED, full_sr_prescale=0.05, full_h16=0.12)
     assert result["verdicts"]["b"]["verdict"] == "refuted"

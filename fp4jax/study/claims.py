@@ -31,6 +31,7 @@ __all__ = [
     "CLAIMS",
     "CONTRASTS",
     "DEFAULT_LAST_K",
+    "DERIVED",
     "FAMILY_ARMS",
     "REPORTED",
     "TOKEN_BAND",
@@ -60,8 +61,15 @@ REPORTED: dict[str, dict[str, float]] = {
     "tseng - full_sr_prescale": {"tseng": 1, "full_sr_prescale": -1},
     "nvidia - full_rht": {"nvidia": 1, "full_rht": -1},
 }
-# Claim (a)'s ordering C1 > C2 + C3, as one contrast: C1 - C2 - C3 = full - 2 fprop_dgrad + fp8.
-ORDERING = {"full": 1, "fprop_dgrad": -2, "fp8": 1}
+# Claim (a)'s rule (docs/study_plan.md) reads two sums of its contrasts: the ordering C1 > C2 + C3, as one
+# contrast C1 - C2 - C3 = full - 2 fprop_dgrad + fp8, and the Fprop and Dgrad GEMMs' joint share
+# C2 + C3 = fprop_dgrad - fp8. Neither is a member of the Holm family, so "significant" means Bonferroni
+# at the family's size m (p * m <= alpha): Holm's most stringent step, and the interval that goes with
+# Holm's procedure (docs/study_analysis.md).
+DERIVED: dict[str, dict[str, float]] = {
+    "C1 - C2 - C3": {"full": 1, "fprop_dgrad": -2, "fp8": 1},
+    "C2 + C3": {"fprop_dgrad": 1, "fp8": -1},
+}
 # The arms the pre-registered family is fitted on: the ladder's ten (docs/study_plan.md, "Model": 10 arms
 # x 3 seeds, 18 df), full_h32 among them though no contrast names it.
 FAMILY_ARMS = (
@@ -142,11 +150,11 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
         for arm in present
         if arm != baseline and fit.df > 0
     ]
-    ordering = (
-        stats.contrast(fit, ORDERING, "C1 - C2 - C3")
-        if set(ORDERING) <= set(present) and fit.df > 0
-        else None
-    )
+    derived = [
+        _bonferroni(stats.contrast(fit, w, name), len(family))
+        for name, w in DERIVED.items()
+        if set(w) <= set(present) and fit.df > 0
+    ]
     result = {
         "baseline": baseline,
         "metric": f"mean eval loss of the last {last_k} evaluations",
@@ -176,7 +184,7 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
         "versus_baseline": [_with_tokens(r, curve, tokens) for r in versus],
         "contrasts": [_with_tokens(r, curve, tokens) for r in family],
         "reported": [_with_tokens(r, curve, tokens) for r in reported],
-        "ordering": None if ordering is None else _with_tokens(ordering, curve, tokens),
+        "derived": [_with_tokens(r, curve, tokens) for r in derived],
         "not_in_design": [n for n, w in CONTRASTS.items() if not set(w) <= set(arms)],
         "not_estimable": [n for n, w in CONTRASTS.items() if n not in estimable and set(w) <= set(arms)],
         "reported_not_estimable": [n for n, w in REPORTED.items() if not set(w) <= set(present)],
@@ -185,8 +193,14 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
     return result
 
 
-def _by_name(result: dict) -> dict[str, dict]:
-    return {row["name"]: row for row in result["contrasts"]}
+def _bonferroni(row: dict, family_size: int) -> dict:
+    """A contrast outside the Holm family judged at Bonferroni's level over it: p_bonferroni = p * m."""
+    adjusted = min(1.0, row["p"] * max(family_size, 1))
+    return dict(row, p_bonferroni=adjusted, reject=adjusted <= stats.ALPHA, family_size=family_size)
+
+
+def _by_name(rows: list[dict]) -> dict[str, dict]:
+    return {row["name"]: row for row in rows}
 
 
 def _missing(names, rows) -> list[str]:
@@ -208,18 +222,23 @@ def _pending(names, rows, not_estimable, not_in_design) -> tuple[str, str]:
     )
 
 
-def _verdict_a(rows: dict, ordering: dict | None, not_estimable, not_in_design) -> tuple[str, str]:
-    if _missing(("C1", "C2", "C3"), rows) or ordering is None:
+def _verdict_a(rows: dict, derived: dict, not_estimable, not_in_design) -> tuple[str, str]:
+    """Supported: C1 significantly > 0 and C1 > C2 + C3 (the ordering significant); refuted: C1 not
+    significantly > 0 while C2 + C3 is; otherwise not resolved. C1 by Holm, the two sums by Bonferroni."""
+    if _missing(("C1", "C2", "C3"), rows) or _missing(DERIVED, derived):
         return _pending(("C1", "C2", "C3"), rows, not_estimable, not_in_design)
-    c1 = rows["C1"]
-    why = (
-        f"C1 = {c1['estimate']:+.4f} nats (Holm p {c1['p_holm']:.3g}); C1 - C2 - C3 = "
-        f"{ordering['estimate']:+.4f} [{ordering['ci_low']:+.4f}, {ordering['ci_high']:+.4f}]"
+    c1, ordering, front = rows["C1"], derived["C1 - C2 - C3"], derived["C2 + C3"]
+    why = "; ".join(
+        [f"C1 = {c1['estimate']:+.4f} nats (Holm p {c1['p_holm']:.3g})"]
+        + [
+            f"{r['name']} = {r['estimate']:+.4f} (Bonferroni p {r['p_bonferroni']:.3g})"
+            for r in (front, ordering)
+        ]
     )
-    if c1["reject"] and c1["estimate"] > 0 and ordering["ci_low"] > 0:
+    c1_large = c1["reject"] and c1["estimate"] > 0
+    if c1_large and ordering["reject"] and ordering["estimate"] > 0:
         return "supported", why
-    c2, c3 = rows["C2"], rows["C3"]
-    if not (c1["reject"] and c1["estimate"] > 0) and any(c["reject"] and c["estimate"] > 0 for c in (c2, c3)):
+    if not c1_large and front["reject"] and front["estimate"] > 0:
         return "refuted", why
     return "not resolved at this scale", why
 
@@ -249,10 +268,10 @@ def _verdict_c(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
 
 def claim_verdicts(result: dict) -> dict[str, dict]:
     """docs/study_plan.md's decision rules: {claim: {claim, verdict, why}}."""
-    rows = _by_name(result)
+    rows = _by_name(result["contrasts"])
     unrun, unplanned = result["not_estimable"], result["not_in_design"]
     decided = {
-        "a": _verdict_a(rows, result["ordering"], unrun, unplanned),
+        "a": _verdict_a(rows, _by_name(result["derived"]), unrun, unplanned),
         "b": _verdict_b(rows, unrun, unplanned),
         "c": _verdict_c(rows, unrun, unplanned),
     }
@@ -263,7 +282,8 @@ def _nats(value: float | None) -> str:
     return "- (no residual df)" if value is None else f"{value:.4f} nats"
 
 
-def _row(row: dict, holm: bool) -> str:
+def _row(row: dict, adjusted: str | None = None) -> str:
+    """One table row; `adjusted` names the row's corrected p ("p_holm", "p_bonferroni") if it has one."""
     tok = row["tokens"]
     tokens = (
         "-"
@@ -276,7 +296,7 @@ def _row(row: dict, holm: bool) -> str:
         f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]",
         tokens,
         f"{row['p']:.3g}",
-        *([f"{row['p_holm']:.3g}" + (" *" if row["reject"] else "")] if holm else []),
+        *([f"{row[adjusted]:.3g}" + (" *" if row["reject"] else "")] if adjusted else []),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -306,9 +326,15 @@ def to_markdown(result: dict) -> str:
         )
     head = "| {} | weights | loss difference, nats [95 %] | token overhead [95 %] | p |"
     lines += ["", head.format("arm"), "|---|---|---|---|---|"]
-    lines += [_row(r, holm=False) for r in result["versus_baseline"]]
+    lines += [_row(r) for r in result["versus_baseline"]]
     lines += ["", head.format("contrast") + " Holm p (* rejected) |", "|---|---|---|---|---|---|"]
-    lines += [_row(r, holm=True) for r in result["contrasts"]]
+    lines += [_row(r, "p_holm") for r in result["contrasts"]]
+    if result["derived"]:
+        m = result["derived"][0]["family_size"]
+        title = f"Claim (a)'s sums of contrasts, outside the family, judged by Bonferroni over its {m}:"
+        lines += ["", title, ""]
+        lines += [head.format("sum") + " Bonferroni p (* rejected) |", "|---|---|---|---|---|---|"]
+        lines += [_row(r, "p_bonferroni") for r in result["derived"]]
     if result["not_estimable"]:
         lines.append(f"\nNot estimable yet: {', '.join(result['not_estimable'])}.")
     if result["not_in_design"]:
@@ -316,7 +342,7 @@ def to_markdown(result: dict) -> str:
     if result["reported"]:
         lines += ["", "The literature's recipes, outside the Holm family (no verdict):", ""]
         lines += [head.format("contrast"), "|---|---|---|---|---|"]
-        lines += [_row(r, holm=False) for r in result["reported"]]
+        lines += [_row(r) for r in result["reported"]]
     lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
     lines += [f"| ({k}) {v['claim']} | {v['verdict']} | {v['why']} |" for k, v in result["verdicts"].items()]
     return "\n".join(lines) + "\n"
