@@ -40,6 +40,10 @@ def _study(**overheads):
     return claims.analyze(_runs(stretch), "fp8", ARMS, last_k=5)
 
 
+def _derived(result, name):
+    return next(r for r in result["derived"] if r["name"] == name)
+
+
 def _row(result, name):
     return next(r for r in result["contrasts"] + result["versus_baseline"] if r["name"] == name)
 
@@ -237,10 +241,12 @@ def test_designs_side_by_side_plot_each_contrast_once_per_design(tmp_path, monke
     monkeypatch.setattr(claims.plots, "plot_forest_by_design", lambda *a: seen.update(args=a) or draw(*a))
     claims.design_forest_plot({"scratch": every, "fewer arms": partial}, str(tmp_path / "d.png"))
     labels, series, band, _ = seen["args"]
-    assert labels[0] == "full - fp8" and labels[1] == "C1: full - fprop_dgrad" and len(labels) == 8
+    assert labels[0] == "full - fp8" and labels[1] == "C1: full - fprop_dgrad" and len(labels) == 10
+    assert labels[-1] == "C2 + C3: +1 fprop_dgrad -1 fp8"  # claim (a)'s sums after the family
     assert not any(label.startswith("C4") for label in labels)  # h16_wgrad_only is in neither design
     assert band == claims.TOKEN_BAND
     assert series["scratch"][0] == _row(every, "full - fp8")["tokens"]
     assert series["fewer arms"][2] == _row(partial, "C2")["tokens"]  # fprop - fp8: present in both
     assert series["fewer arms"][1] is None  # C1 needs fprop_dgrad, not run there
+    assert series["scratch"][-1] == _derived(every, "C2 + C3")["tokens"] and series["fewer arms"][-1] is None
     assert (tmp_path / "d.png").stat().st_size > 10_000

@@ -350,7 +350,7 @@ def to_markdown(result: dict) -> str:
 
 def forest_plot(result: dict, path: str) -> None:
     """Each arm's and contrast's token overhead with its 95 % interval (plots.plot_forest)."""
-    every = result["versus_baseline"] + result["contrasts"] + result["reported"]
+    every = result["versus_baseline"] + result["contrasts"] + result["derived"] + result["reported"]
     rows = [r for r in every if r["tokens"]["overhead"] is not None]
     plots.plot_forest([(_label(r), r["tokens"]) for r in rows], TOKEN_BAND, path)
 
@@ -358,7 +358,7 @@ def forest_plot(result: dict, path: str) -> None:
 def design_forest_plot(results: dict[str, dict], path: str) -> None:
     """The pre-registered contrasts (and full against the baseline) of several analyses side by side:
     results maps a design's name (e.g. "from scratch", "branched at 250") to its `analyze` dict."""
-    names = ["full - fp8", *CONTRASTS]
+    names = ["full - fp8", *CONTRASTS, *DERIVED]
     labels, series = [], {design: [] for design in results}
     for name in names:
         found = {d: _find(r, name) for d, r in results.items()}
@@ -371,10 +371,13 @@ def design_forest_plot(results: dict[str, dict], path: str) -> None:
 
 
 def _find(result: dict, name: str) -> dict | None:
-    return next((r for r in result["versus_baseline"] + result["contrasts"] if r["name"] == name), None)
+    rows = result["versus_baseline"] + result["contrasts"] + result["derived"]
+    return next((r for r in rows if r["name"] == name), None)
 
 
 def _label(row: dict) -> str:
+    if row["name"] in DERIVED:
+        return f"{row['name']}: " + " ".join(f"{w:+g} {a}" for a, w in row["weights"].items())
     if row["name"] not in {**CONTRASTS, **REPORTED} or " " in row["name"]:
         return row["name"]
     return f"{row['name']}: " + " - ".join(

@@ -178,7 +178,7 @@ def plot_forest_by_design(labels: list[str], series: dict[str, list], band: floa
     ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="the contrasts, by design")
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.grid(alpha=0.3, axis="x")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")  # the top rows sit right of zero
     _save(fig, path)
 
 
