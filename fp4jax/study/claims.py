@@ -15,6 +15,8 @@ Invariants:
   marked interim and every verdict that needs a missing arm says so; so is it while a planned cell (an
   arm present, a planned seed) has not ended, since its verdicts then rest on fewer blocks than planned
   (a diverged or failed run is an outcome, listed under excluded, not pending);
+- claim (a)'s rule reads two sums of the family's contrasts (DERIVED: C2 + C3 and C1 - C2 - C3); each is
+  one contrast of the same fit, outside the family, judged by Bonferroni over the family's size;
 - a contrast whose arms the design does not plan (not in `arms`, e.g. a confirmation at another scale
   with fewer arms) is outside that design's family, listed under `not_in_design`, never "not yet run";
 - token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
