@@ -176,6 +176,15 @@ def test_the_growth_from_1x_to_the_top_point_decides_when_no_run_diverged(tiny, 
     assert result["verdicts"]["b"]["verdict"] == verdict
 
 
+def test_rule_2_needs_the_arm_and_fp8_in_a_shared_seed_at_the_point():
+    """study_plan.md: where A or fp8 has no primary metric at 16x in a shared seed, (2) cannot be computed
+    (the model alone could link them through a third arm's seeds)."""
+    cells = {("b@16x", "seed0@16x"): 4.1, ("c@16x", "seed0@16x"): 4.2, ("c@16x", "seed1@16x"): 4.2,
+             ("a@16x", "seed1@16x"): 4.0}  # fmt: skip
+    assert not lr_stress.paired_at(cells, "b", "a", "16x") and lr_stress.paired_at(cells, "c", "a", "16x")
+    assert not lr_stress.paired_at(cells, "b", "a", "4x")  # no cell at that point
+
+
 def test_the_report_writes_spikes_per_stage_and_says_not_run_for_a_stage_without_runs(tiny, tmp_path, capsys):
     """The stress stages ran, the reference did not: each stage's report lists its runs' spikes and
     divergences, the series reads "not run" at 1x, and the claims (at the study's LR) have no stage."""

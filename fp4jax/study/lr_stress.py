@@ -34,6 +34,7 @@ __all__ = [
     "LESS_STABLE",
     "NOT_SHOWN",
     "WAITING",
+    "paired_at",
     "references",
     "run_row",
     "run_spikes",
@@ -199,11 +200,24 @@ def _arm_cell(arm: str, baseline: str, cells: dict, rows: list[dict], counts: di
     }
 
 
-def _growth(fit, arm: str, baseline: str, label: str) -> dict | None:
+def paired_at(cells: dict, arm: str, baseline: str, label: str) -> bool:
+    """Whether arm and baseline both have the primary metric in some seed at LR point `label`: the plan's
+    condition for rule (2); without it the model could still link them through a third arm."""
+
+    def seeds(name: str) -> set:
+        return {block for (row, block) in cells if row == f"{name}@{label}"}
+
+    return bool(seeds(arm) & seeds(baseline))
+
+
+def _growth(fit, cells: dict, arm: str, baseline: str, label: str) -> dict | None:
     """The contrast (arm - baseline at `label`) - (arm - baseline at 1x) with GREW x its SE, None where
-    the model cannot estimate it (a run missing or diverged, or no residual df)."""
+    the plan says it cannot be computed (arm and baseline share no seed with the metric at `label` or at
+    1x) or the model cannot estimate it (no residual df)."""
     weights = {f"{arm}@{label}": 1, f"{baseline}@{label}": -1, f"{arm}@1x": -1, f"{baseline}@1x": 1}
     if fit is None or fit.df == 0 or not set(weights) <= set(fit.arms):
+        return None
+    if not (paired_at(cells, arm, baseline, label) and paired_at(cells, arm, baseline, "1x")):
         return None
     try:
         row = stats.contrast(fit, weights, f"{arm}: {label} - 1x")
@@ -251,7 +265,9 @@ def series(the_plan, root: str, reference: str) -> dict:
         names = list(dict.fromkeys(a for a, _ in cells))
         fit = stats.fit_additive(*stats.cells_to_table(cells, arms=names))
     others = [a for a in arms if a != ref.baseline]
-    growth = {a: {p["label"]: _growth(fit, a, ref.baseline, p["label"]) for p in points[1:]} for a in others}
+    growth = {
+        a: {p["label"]: _growth(fit, cells, a, ref.baseline, p["label"]) for p in points[1:]} for a in others
+    }
     return {
         "reference": reference,
         "baseline": ref.baseline,
