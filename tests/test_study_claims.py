@@ -180,6 +180,36 @@ def test_planned_seeds_not_yet_ended_make_the_analysis_interim_but_a_diverged_ru
     assert "Interim" not in claims.to_markdown(result)
 
 
+def test_the_secondary_metric_is_the_final_evaluation_in_the_same_model_without_verdicts():
+    """study_plan.md's secondary metric: each run's final evaluation (summary final_eval), analysed with
+    the same arm x seed model; planted differences are recovered, a seed effect shared by all arms
+    leaves the residual at the noise, and runs without it (or not ended) are left out."""
+    planted = {"fp8": 0.0, "fprop": 0.004, "fprop_dgrad": 0.006, "full": 0.02, "full_sr": 0.02}
+    rng = np.random.default_rng(3)
+    shift = {s: rng.normal(0, 0.03) for s in (0, 1, 2)}
+    runs = [
+        dataclasses.replace(
+            r, final_eval=4.0 + planted.get(r.rung, 0.01) + shift[r.seed] + rng.normal(0, 1e-4)
+        )
+        for r in _runs({arm: 1.0 for arm in ARMS})
+    ]
+    result = claims.analyze(runs, "fp8", ARMS, last_k=5)
+    secondary = result["secondary"]
+    assert secondary["cells"] == len(ARMS) * 3 and secondary["df"] == (len(ARMS) - 1) * 2
+    assert secondary["pooled_sd"] < 3e-4  # the shared seed effect (sd 0.03) is not in the residual
+    rows = {r["name"]: r for r in secondary["versus_baseline"] + secondary["contrasts"]}
+    for arm, offset in planted.items():
+        if arm != "fp8":
+            assert rows[f"{arm} - fp8"]["ci_low"] <= offset <= rows[f"{arm} - fp8"]["ci_high"], arm
+    assert rows["C1"]["estimate"] == pytest.approx(0.014, abs=5e-4)  # full - fprop_dgrad
+    assert "tokens" not in rows["C1"] and "reject" not in rows["C1"]  # no conversion, no verdict
+    assert "Secondary metric: final evaluation" in claims.to_markdown(result)
+
+    runs[0] = dataclasses.replace(runs[0], status="unfinished")
+    assert claims.analyze(runs, "fp8", ARMS, last_k=5)["secondary"]["cells"] == len(ARMS) * 3 - 1
+    assert claims.analyze(_runs({arm: 1.0 for arm in ARMS}), "fp8", ARMS, last_k=5)["secondary"] is None
+
+
 def test_a_diverged_run_is_excluded_and_listed():
     runs = _runs({"fp8": 1.0, "full": 1.1})
     broken = runs[-1]

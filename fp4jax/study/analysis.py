@@ -81,6 +81,7 @@ class StudyRun:
     directory: str
     diagnostics: dict | None = None  # diagnostics(records)
     runs_per_gpu: int | None = None  # runs.gpu_sharing of the run's attempts (None: not recorded)
+    final_eval: float | None = None  # the summary's final evaluation (final_eval_sequences > 0), nats
 
 
 def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> StudyRun:
@@ -106,6 +107,7 @@ def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Stu
         directory=run_dir,
         diagnostics=diagnostics(records),
         runs_per_gpu=runs.gpu_sharing(_attempts_record(run_dir)),
+        final_eval=(s.get("final_eval") or {}).get("final_eval_loss"),
     )
 
 

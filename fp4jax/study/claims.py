@@ -19,6 +19,10 @@ Invariants:
   one contrast of the same fit, outside the family, judged by Bonferroni over the family's size;
 - a contrast whose arms the design does not plan (not in `arms`, e.g. a confirmation at another scale
   with fewer arms) is outside that design's family, listed under `not_in_design`, never "not yet run";
+- the secondary metric (study_plan.md) is each ended run's final evaluation (the summary's `final_eval`:
+  every validation sequence); the same model over the same arms gives its differences and contrasts
+  with t intervals, reported beside the primary ones with no verdict and no token conversion (the
+  baseline's curve is fitted to the periodic evaluations, another set of sequences);
 - token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
   runs' tokens (stats.iso_loss_overhead).
 """
@@ -187,12 +191,41 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
         "contrasts": [_with_tokens(r, curve, tokens) for r in family],
         "reported": [_with_tokens(r, curve, tokens) for r in reported],
         "derived": [_with_tokens(r, curve, tokens) for r in derived],
+        "secondary": _secondary(study_runs, baseline, family_arms),
         "not_in_design": [n for n, w in CONTRASTS.items() if not set(w) <= set(arms)],
         "not_estimable": [n for n, w in CONTRASTS.items() if n not in estimable and set(w) <= set(arms)],
         "reported_not_estimable": [n for n, w in REPORTED.items() if not set(w) <= set(present)],
     }
     result["verdicts"] = claim_verdicts(result)
     return result
+
+
+def _secondary(study_runs, baseline: str, family_arms: list[str]) -> dict | None:
+    """The final evaluation's arm x seed analysis over the family's arms: each arm against the baseline,
+    the family's contrasts and claim (a)'s sums, t intervals, no correction and no verdict; None without
+    residual df."""
+    cells = {
+        (r.rung, f"seed{r.seed}"): r.final_eval
+        for r in study_runs
+        if r.status in runs.FINISHED and r.final_eval is not None and r.rung in family_arms
+    }
+    arms = [a for a in family_arms if any(arm == a for arm, _ in cells)]
+    if baseline not in arms or len(arms) < 2:
+        return None
+    fit = _fit(cells, arms)
+    if fit.df == 0:
+        return None
+    versus = [stats.contrast(fit, {a: 1, baseline: -1}, f"{a} - {baseline}") for a in arms if a != baseline]
+    named = {**CONTRASTS, **DERIVED}
+    family = [stats.contrast(fit, w, n) for n, w in named.items() if set(w) <= set(arms)]
+    return {
+        "metric": "final evaluation (the summary's final_eval_loss)",
+        "cells": len(cells),
+        "pooled_sd": None if fit.sigma2 is None else math.sqrt(fit.sigma2),
+        "df": fit.df,
+        "versus_baseline": versus,
+        "contrasts": family,
+    }
 
 
 def _bonferroni(row: dict, family_size: int) -> dict:
@@ -341,6 +374,7 @@ def to_markdown(result: dict) -> str:
         lines.append(f"\nNot estimable yet: {', '.join(result['not_estimable'])}.")
     if result["not_in_design"]:
         lines.append(f"\nNot in this design (arms not planned): {', '.join(result['not_in_design'])}.")
+    lines += _secondary_markdown(result.get("secondary"))
     if result["reported"]:
         lines += ["", "The literature's recipes, outside the Holm family (no verdict):", ""]
         lines += [head.format("contrast"), "|---|---|---|---|---|"]
@@ -348,6 +382,25 @@ def to_markdown(result: dict) -> str:
     lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
     lines += [f"| ({k}) {v['claim']} | {v['verdict']} | {v['why']} |" for k, v in result["verdicts"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _secondary_markdown(secondary: dict | None) -> list[str]:
+    if not secondary:
+        return []
+    lines = [
+        "",
+        f"Secondary metric: {secondary['metric']}, {secondary['cells']} runs; the same model, pooled "
+        f"residual sd {_nats(secondary['pooled_sd'])} ({secondary['df']} df); 95 % t intervals, no "
+        "correction, no verdict:",
+        "",
+        "| arm or contrast | weights | difference, nats [95 %] | p |",
+        "|---|---|---|---|",
+    ]
+    for row in secondary["versus_baseline"] + secondary["contrasts"]:
+        weights = " ".join(f"{w:+g} {a}" for a, w in row["weights"].items())
+        interval = f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
+        lines.append(f"| {row['name']} | {weights} | {interval} | {row['p']:.3g} |")
+    return lines
 
 
 def forest_plot(result: dict, path: str) -> None:
