@@ -176,6 +176,22 @@ def test_the_growth_from_1x_to_the_top_point_decides_when_no_run_diverged(tiny, 
     assert result["verdicts"]["b"]["verdict"] == verdict
 
 
+def test_the_claims_table_leaves_out_a_check_stage_on_another_back_end(tmp_path, monkeypatch):
+    """A stage that reruns a cell on another back end against another baseline (the study's
+    backend_check) must not fill a missing cell of the claims' table."""
+    monkeypatch.chdir(ROOT)
+    check = stage_toml("check", {"b": "mxfp4_full"}, seeds=(1,), steps=STEPS, backend="emulate")
+    path = tmp_path / "plan.toml"
+    path.write_text('name = "c"\n' + _stage("ref", 1e-3) + check.replace('baseline = "a"', 'baseline = "b"'))
+    the_plan = plan.load_plan(str(path))
+    root = str(tmp_path / "runs")
+    for arm, seed in (("a", 0), ("a", 1), ("b", 0)):
+        write_run(os.path.join(root, "ref", arm, f"seed{seed}"), 0.0)
+    write_run(os.path.join(root, "check", "b", "seed1"), 0.0)
+    result = study_cli.write_claims(the_plan, root, None)
+    assert "b/seed1" not in result["cells"] and result["cells_pending"] == ["b/seed1"]
+
+
 def test_rule_2_needs_the_arm_and_fp8_in_a_shared_seed_at_the_point():
     """study_plan.md: where A or fp8 has no primary metric at 16x in a shared seed, (2) cannot be computed
     (the model alone could link them through a third arm's seeds)."""

@@ -120,14 +120,17 @@ def write_lr_series(the_plan, root: str, out: str | None) -> None:
 
 
 def write_claims(the_plan, root: str, out: str | None) -> dict | None:
-    """The pre-registered analysis over every paired from-scratch stage (their seeds are shared, so the
-    arms of all of them enter one arm x seed table; a run reused by several stages counts once); returned,
-    None without such stages."""
+    """The pre-registered analysis over every paired from-scratch stage with the first one's baseline and
+    back end (their seeds are shared, so the arms of all of them enter one arm x seed table; a run reused
+    by several stages counts once); returned, None without such stages."""
     stages = [
         s
         for s in the_plan.stages
         if s.design == "scratch_paired" and s.lr_reference is None and os.path.isdir(plan.stage_root(root, s))
     ]
+    # A check that reruns a cell under another back end or against another baseline (backend_check) is
+    # not a block of the claims' design: only the stages sharing the first one's are pooled.
+    stages = [s for s in stages if (s.baseline, s.backend) == (stages[0].baseline, stages[0].backend)]
     if not stages:
         return None
     seen, pooled, arms = set(), [], []
