@@ -327,7 +327,7 @@ def _row(row: dict, adjusted: str | None = None) -> str:
     )
     cells = [
         row["name"],
-        " ".join(f"{w:+g} {a}" for a, w in row["weights"].items()),
+        stats.weights_text(row["weights"]),
         f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]",
         tokens,
         f"{row['p']:.3g}",
@@ -397,8 +397,8 @@ def _secondary_markdown(secondary: dict | None) -> list[str]:
         "|---|---|---|---|",
     ]
     for row in secondary["versus_baseline"] + secondary["contrasts"]:
-        weights = " ".join(f"{w:+g} {a}" for a, w in row["weights"].items())
         interval = f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
+        weights = stats.weights_text(row["weights"])
         lines.append(f"| {row['name']} | {weights} | {interval} | {row['p']:.3g} |")
     return lines
 
@@ -432,7 +432,7 @@ def _find(result: dict, name: str) -> dict | None:
 
 def _label(row: dict) -> str:
     if row["name"] in DERIVED:
-        return f"{row['name']}: " + " ".join(f"{w:+g} {a}" for a, w in row["weights"].items())
+        return f"{row['name']}: " + stats.weights_text(row["weights"])
     if row["name"] not in {**CONTRASTS, **REPORTED} or " " in row["name"]:
         return row["name"]
     return f"{row['name']}: " + " - ".join(

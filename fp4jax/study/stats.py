@@ -42,6 +42,7 @@ __all__ = [
     "loss_spikes",
     "t_quantile",
     "tokens_to_target",
+    "weights_text",
     "welch",
 ]
 
@@ -193,13 +194,18 @@ def _not_estimable(fit: AdditiveFit, w: np.ndarray, name: str) -> str:
     )
 
 
+def weights_text(weights: Mapping[str, float]) -> str:
+    """A contrast's weights as text, e.g. "+1 full -1 fprop_dgrad" (its default name, and report tables)."""
+    return " ".join(f"{w:+g} {a}" for a, w in weights.items())
+
+
 def contrast(fit: AdditiveFit, weights: Mapping[str, float], name: str | None = None, level=LEVEL) -> dict:
     """Estimate, SE, t-based interval and two-sided p-value of sum_i w_i a_i (weights over arms, sum 0).
 
     SE = sqrt(sigma2 * c' (X'X)^+ c); the interval is estimate +- t_{df, (1 + level) / 2} SE with the pooled
     residual df. Raises when the contrast is not estimable (its arms are not connected through shared
     blocks) or the table has no residual df."""
-    name = name or " ".join(f"{w:+g} {a}" for a, w in weights.items())
+    name = name or weights_text(weights)
     c = _weight_vector(fit, weights, name)
     if fit.df == 0:
         raise ValueError(

@@ -44,6 +44,7 @@ __all__ = [
     "NO_BLOCK",
     "block_info",
     "block_info_from_amax",
+    "elements_per_byte",
     "encode_elements",
     "encode_nearest",
     "fold_codes",
@@ -55,7 +56,6 @@ __all__ = [
     "quantize_tile",
     "rounded_nonzero",
     "scale_bits",
-    "elements_per_byte",
     "stored_codes",
     "stored_data",
 ]
