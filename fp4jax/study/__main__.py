@@ -1,4 +1,4 @@
-"""python -m fp4jax.study run|report|instruments: the study's plan file, run within a GPU-time budget per
+"""python -m fp4jax.study run|report|instruments: the study's plan file run within a GPU-time budget per
 call, its report regenerated from whatever runs exist (fp4jax.study.plan), and the mechanism instruments
 on a run's checkpoints (fp4jax.study.instruments).
 
@@ -200,7 +200,14 @@ def _branch_report(stage, sroot: str, out: str | None) -> dict:
         cells, _, _ = claims.primary_cells(found, claims.DEFAULT_LAST_K)
         if not any(arm == stage.baseline for arm, _ in cells):
             continue  # no baseline branch from this step has ended yet
-        claimed = claims.analyze(found, stage.baseline, list(stage.arms), claims.DEFAULT_LAST_K, stage.seeds)
+        claimed = claims.analyze(
+            found,
+            stage.baseline,
+            list(stage.arms),
+            claims.DEFAULT_LAST_K,
+            stage.seeds,
+            trunk_tokens=branching.trunk_tokens(found, at),
+        )
         text = f"Branched at step {at} (rows: arms; blocks: trunks).\n\n" + claims.to_markdown(claimed)
         print(text)
         if out:
@@ -223,8 +230,13 @@ def _write_md_json(base: str, text: str, result: dict) -> None:
     print(f"wrote {base}.md and {base}.json")
 
 
+def _summary(doc: str) -> str:
+    """The docstring's first paragraph as one line: --help's description (argparse re-wraps it)."""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fp4jax.study", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fp4jax.study", description=_summary(__doc__))
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="run what is not done, within the budget", allow_abbrev=False)
     run_p.add_argument("--budget-minutes", type=float, required=True, help="wall minutes this call holds")

@@ -54,6 +54,7 @@ __all__ = [
     "span",
     "stage_specs",
     "to_markdown",
+    "trunk_tokens",
 ]
 
 KEYS = {"trunk_arm", "branch_steps", "branch_length"}
@@ -282,6 +283,18 @@ def branch_runs(sroot: str, stage, at: int) -> list[analysis.StudyRun]:
         for spec in _branches_from(stage, at)
         if os.path.isdir(spec.directory(sroot))
     ]
+
+
+def trunk_tokens(branches: list[analysis.StudyRun], at: int) -> int:
+    """The tokens a trunk had trained at step `at`: at x the tokens per update that the branches'
+    evaluations record (every (step, tokens) pair must give the same whole number)."""
+    per_update = {tokens / step for run in branches for step, tokens, _ in run.evals if step > 0}
+    if len(per_update) != 1 or not float(next(iter(per_update))).is_integer():
+        raise ValueError(
+            f"the branches from step {at} record {sorted(per_update)} tokens per update, not one whole "
+            "number: their batch size differs or changed, so the trunk's tokens are not at x one count"
+        )
+    return int(at * per_update.pop())
 
 
 def _branches_from(stage, at: int) -> list[BranchRun]:

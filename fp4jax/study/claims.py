@@ -24,12 +24,22 @@ Invariants:
   with t intervals, reported beside the primary ones with no verdict and no token conversion (the
   baseline's curve is fitted to the periodic evaluations, another set of sequences);
 - token overheads come from the baseline's fitted curve L(T) = E + A T^-alpha over the second half of its
-  runs' tokens (stats.iso_loss_overhead).
+  runs' tokens (stats.iso_loss_overhead); for a branch design (trunk_tokens given) every row also has its
+  overhead per branch token (stats.per_branch_token), the unit claim (c)'s band and (b)'s margin apply in;
+- every row has, beside the pooled model's numbers, the paired t numbers ("paired": the contrast's value
+  per block over the blocks where all its arms ended; Holm over the family's contrasts with 2 or more
+  blocks, Bonferroni over that size for claim (a)'s sums; None with fewer than 2 blocks) and
+  "model_dependent": whether the two models decide differently (None without paired numbers);
+- the verdicts follow docs/study_plan.md's amendment of 2026-12-05 ("verdicts restated on direct tests"),
+  each reached under both models and "model-dependent" where they differ; the pre-registered rules'
+  verdicts stay beside them ("preregistered", superseded).
 """
 
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from fp4jax.study import plots, runs, stats
 
@@ -41,6 +51,9 @@ __all__ = [
     "FAMILY_ARMS",
     "REPORTED",
     "TOKEN_BAND",
+    "MARGIN",
+    "SHARE",
+    "SHARE_AT_8B",
     "analyze",
     "claim_verdicts",
     "design_forest_plot",
@@ -83,10 +96,17 @@ FAMILY_ARMS = (
     "full_h32", "h16_wgrad_only",
 )  # fmt: skip
 CLAIMS = {
-    "a": "Wgrad drives the degradation (C1 large against C2 and C3)",
-    "b": "SR and random Hadamard do not stabilise full MXFP4 (C5-C7 not < 0)",
+    "a": "Wgrad drives the degradation (Wgrad's share of full's cost above 1/2: C1 > C2 + C3)",
+    "b": "SR and random Hadamard do not stabilise full MXFP4 (full diverges, and they do not prevent it)",
     "c": "deterministic H16 restores full MXFP4 to the Fprop-only level (C10 within +-2.5 % tokens)",
 }
+# Claim (a)'s primary test (amendment of 2026-12-05): Wgrad's share of full's cost, C1 / (full - fp8), with
+# Fieller's interval; the claim (C1 > C2 + C3) is the share above 1/2.
+SHARE = ({"full": 1, "fprop_dgrad": -1}, {"full": 1, "fp8": -1})
+SHARE_CLAIMED = 0.5
+SHARE_AT_8B = (26.5 - 10.5) / 26.5  # the study's 8B tokens to target: full +26.5 %, fprop_dgrad +10.5 %
+MARGIN = 0.025  # claim (b)'s loss reading: a stabiliser "not better than full" by less than 2.5 % tokens
+STABILISERS = ("C5", "C6", "C7")
 DEFAULT_LAST_K = 5  # the plan's primary metric averages the last 5 evaluations
 TOKEN_BAND = 0.025  # claim (c)'s equivalence band in token overhead
 CURVE_FRACTION = 0.5  # the baseline's curve is fitted over its last half of tokens
@@ -115,10 +135,6 @@ def _baseline_curve(study_runs, baseline: str) -> stats.PowerLaw:
     return stats.fit_power_law([t for t, _ in tail], [loss for _, loss in tail])
 
 
-def _with_tokens(row: dict, curve, tokens) -> dict:
-    return dict(row, tokens=stats.iso_loss_overhead(curve, tokens, row["estimate"], row["se"], row["df"]))
-
-
 def _fit(cells: dict, arms: list[str]) -> stats.AdditiveFit:
     """The arm x seed model over the cells of `arms` only."""
     y, arm_names, blocks = stats.cells_to_table({k: v for k, v in cells.items() if k[0] in arms}, arms=arms)
@@ -132,15 +148,18 @@ def _pending_cells(cells: dict, excluded: list[dict], present: list[str], seeds)
     return [f"{a}/seed{k}" for a in present for k in seeds if (a, f"seed{k}") not in settled]
 
 
-def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
+def analyze(study_runs, baseline: str, arms, last_k: int, seeds=(), trunk_tokens: int | None = None) -> dict:
     """Every number of the pre-registered analysis as JSON-ready data (see the module docstring).
-    seeds: the planned blocks; a planned cell not yet ended makes the analysis interim."""
+    seeds: the planned blocks; a planned cell not yet ended makes the analysis interim. trunk_tokens: for
+    a branch design, the trunk's tokens at the branch point (overheads per branch token beside the
+    whole-run ones); None from scratch."""
     cells, tokens, excluded = primary_cells(study_runs, last_k)
     present = [a for a in arms if any(arm == a for arm, _ in cells)]
     pending = _pending_cells(cells, excluded, present, seeds)
     family_arms = [a for a in present if a in FAMILY_ARMS or a == baseline]
     fit = _fit(cells, family_arms)
     every_fit = fit if family_arms == present else _fit(cells, present)
+    table = stats.cells_to_table({k: v for k, v in cells.items() if k[0] in present}, arms=present)
     curve = _baseline_curve(study_runs, baseline)
     estimable = {n: w for n, w in CONTRASTS.items() if set(w) <= set(present)}
     family = stats.contrast_family(fit, estimable) if estimable and fit.df > 0 else []
@@ -161,10 +180,14 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
         for name, w in DERIVED.items()
         if set(w) <= set(present) and fit.df > 0
     ]
+    family, derived = _paired_family(family, derived, table)
+    versus, reported = ([_with_paired(r, table) for r in rows] for rows in (versus, reported))
+    finish = _finisher(curve, tokens, trunk_tokens)
     result = {
         "baseline": baseline,
         "metric": f"mean eval loss of the last {last_k} evaluations",
         "metric_tokens": list(tokens),
+        "trunk_tokens": trunk_tokens,
         "arms": list(arms),
         "arms_present": present,
         "arms_missing": [a for a in arms if a not in present],
@@ -187,10 +210,11 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
             "df": curve.df,
             "points_from": "last half",
         },
-        "versus_baseline": [_with_tokens(r, curve, tokens) for r in versus],
-        "contrasts": [_with_tokens(r, curve, tokens) for r in family],
-        "reported": [_with_tokens(r, curve, tokens) for r in reported],
-        "derived": [_with_tokens(r, curve, tokens) for r in derived],
+        "versus_baseline": [finish(r) for r in versus],
+        "contrasts": [finish(r) for r in family],
+        "reported": [finish(r) for r in reported],
+        "derived": [finish(r) for r in derived],
+        "wgrad_share": _wgrad_share(fit, table),
         "secondary": _secondary(study_runs, baseline, family_arms),
         "not_in_design": [n for n, w in CONTRASTS.items() if not set(w) <= set(arms)],
         "not_estimable": [n for n, w in CONTRASTS.items() if n not in estimable and set(w) <= set(arms)],
@@ -200,10 +224,80 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=()) -> dict:
     return result
 
 
+def _paired(table, weights, name: str) -> dict | None:
+    """The paired t row of a contrast (stats.paired_t over the blocks where all its arms ended, named as
+    the pooled row); None with fewer than 2 such blocks."""
+    y, arms, blocks = table
+    if not set(weights) <= set(arms):
+        return None
+    values, used = stats.block_values(y, arms, blocks, weights)
+    if values.size < 2:
+        return None
+    return {"name": name, "weights": dict(weights), **stats.paired_t(values), "blocks": list(used)}
+
+
+def _with_paired(row: dict, table) -> dict:
+    return dict(row, paired=_paired(table, row["weights"], row["name"]))
+
+
+def _paired_family(family: list[dict], derived: list[dict], table) -> tuple[list[dict], list[dict]]:
+    """The family's rows and claim (a)'s sums with their paired rows: Holm over the family's contrasts that
+    have one, Bonferroni over that number for the sums (as the pooled model's)."""
+    family = [_with_paired(r, table) for r in family]
+    paired = [r["paired"] for r in family if r["paired"]]
+    for row, adjusted in zip(paired, stats.holm([r["p"] for r in paired]), strict=True):
+        row.update(p_holm=float(adjusted), reject=bool(adjusted <= stats.ALPHA), alpha=stats.ALPHA)
+    derived = [_with_paired(r, table) for r in derived]
+    for row in derived:
+        if row["paired"]:
+            row["paired"] = _bonferroni(row["paired"], len(paired))
+    return family, derived
+
+
+def _finisher(curve, tokens, trunk_tokens):
+    """A row -> the row with its token overheads (whole-run; per branch token when trunk_tokens is set),
+    its paired row's likewise, and whether the two models decide it differently."""
+
+    def finish(row: dict) -> dict:
+        out = dict(row, tokens=stats.iso_loss_overhead(curve, tokens, row["estimate"], row["se"], row["df"]))
+        if trunk_tokens is not None:
+            out["per_branch_token"] = stats.per_branch_token(curve, tokens, trunk_tokens, out["tokens"])
+        if "paired" in row:
+            out["paired"] = row["paired"] and finish(row["paired"])
+            out["model_dependent"] = row["paired"] and _decision(row) != _decision(row["paired"])
+        return out
+
+    return finish
+
+
+def _decision(row: dict) -> tuple[bool, bool]:
+    """(rejected, positive): rejected at the row's corrected level ("reject"), else at p <= 0.05."""
+    reject = row.get("reject", row["p"] <= stats.ALPHA)
+    return bool(reject), bool(reject and row["estimate"] > 0)
+
+
+def _wgrad_share(fit: stats.AdditiveFit, table) -> dict | None:
+    """Wgrad's share of full's cost, C1 / (full - fp8), with Fieller's interval from the pooled fit and,
+    under "paired", from the blocks where full, fprop_dgrad and fp8 all ended (None with fewer than 2);
+    None when an arm is missing or the fit has no residual df."""
+    num, den = SHARE
+    y, arms, blocks = table
+    if not (set(num) | set(den)) <= set(fit.arms) or fit.df == 0:
+        return None
+    share = stats.fit_ratio(fit, num, den)
+    rows = [arms.index(a) for a in ("full", "fprop_dgrad", "fp8")]
+    complete = ~np.isnan(y[rows]).any(axis=0)
+    sub = (y[:, complete], arms, [b for b, keep in zip(blocks, complete, strict=True) if keep])
+    paired = None
+    if complete.sum() >= 2:
+        paired = stats.paired_ratio(stats.block_values(*sub, num)[0], stats.block_values(*sub, den)[0])
+    return {**share, "paired": paired, "claimed_above": SHARE_CLAIMED, "at_8b": SHARE_AT_8B}
+
+
 def _secondary(study_runs, baseline: str, family_arms: list[str]) -> dict | None:
     """The final evaluation's arm x seed analysis over the family's arms: each arm against the baseline,
-    the family's contrasts and claim (a)'s sums, t intervals, no correction and no verdict; None without
-    residual df."""
+    the family's contrasts and claim (a)'s sums, t intervals (pooled, and paired beside them), no
+    correction and no verdict; None without residual df."""
     cells = {
         (r.rung, f"seed{r.seed}"): r.final_eval
         for r in study_runs
@@ -215,9 +309,11 @@ def _secondary(study_runs, baseline: str, family_arms: list[str]) -> dict | None
     fit = _fit(cells, arms)
     if fit.df == 0:
         return None
+    table = stats.cells_to_table(cells, arms=arms)
     versus = [stats.contrast(fit, {a: 1, baseline: -1}, f"{a} - {baseline}") for a in arms if a != baseline]
     named = {**CONTRASTS, **DERIVED}
     family = [stats.contrast(fit, w, n) for n, w in named.items() if set(w) <= set(arms)]
+    versus, family = ([_paired_beside(r, table) for r in rows] for rows in (versus, family))
     return {
         "metric": "final evaluation (the summary's final_eval_loss)",
         "cells": len(cells),
@@ -226,6 +322,14 @@ def _secondary(study_runs, baseline: str, family_arms: list[str]) -> dict | None
         "versus_baseline": versus,
         "contrasts": family,
     }
+
+
+def _paired_beside(row: dict, table) -> dict:
+    """A row with no correction and its paired row, model-dependent where one has p <= 0.05 and the
+    other not."""
+    out = _with_paired(row, table)
+    out["model_dependent"] = out["paired"] and _decision(row) != _decision(out["paired"])
+    return out
 
 
 def _bonferroni(row: dict, family_size: int) -> dict:
@@ -242,22 +346,185 @@ def _missing(names, rows) -> list[str]:
     return [n for n in names if n not in rows]
 
 
-def _pending(names, rows, not_estimable, not_in_design) -> tuple[str, str]:
+def _pending(names, rows, not_estimable, not_in_design, model="pooled") -> tuple[str, str]:
     """The verdict of a claim whose contrasts are not all in the family: arms the design does not plan,
-    arms not run, or (every arm run) a table without residual degrees of freedom, e.g. one trunk."""
+    arms not run, or (every arm run) too few blocks: no residual df (pooled) or fewer than 2 blocks with
+    every arm of the contrast ended (paired)."""
     unplanned = [n for n in names if n in not_in_design]
     if unplanned:
         return "not in this design", "needs " + ", ".join(unplanned) + " (arms not planned)"
     unrun = [n for n in names if n in not_estimable]
     if unrun:
         return "not yet run", "needs " + ", ".join(unrun)
-    return (
-        "not yet estimable",
-        f"{', '.join(_missing(names, rows))}: no residual df (needs a second seed or trunk)",
+    short = "no residual df" if model == "pooled" else "fewer than 2 blocks with all its arms"
+    return "not yet estimable", f"{', '.join(_missing(names, rows))}: {short} (needs another seed or trunk)"
+
+
+# --------------------------------------------------------- the rules of the amendment of 2026-12-05
+
+
+def _band_tokens(row: dict) -> dict:
+    """The overhead the bands and margins apply to: per branch token in a branch design, else whole-run."""
+    return row.get("per_branch_token") or row["tokens"]
+
+
+def _unit(row: dict) -> str:
+    return "per branch token" if "per_branch_token" in row else "tokens"
+
+
+def _pct_interval(tok: dict) -> str:
+    ends = ("-" if v is None else f"{v:+.1%}" for v in (tok["ci_low"], tok["ci_high"]))
+    return "-" if tok["overhead"] is None else f"{tok['overhead']:+.1%} [{', '.join(ends)}]"
+
+
+def share_text(share: dict) -> str:
+    """Wgrad's share with its Fieller set, e.g. "0.16 [-0.35, 0.52]" or "0.16, unbounded (all but ...)"."""
+    if share["bounded"]:
+        return f"{share['estimate']:.2f} [{share['lo']:.2f}, {share['hi']:.2f}]"
+    if share["kind"] == "two half-lines":
+        low, high = share["excluded"]
+        return f"{share['estimate']:.2f}, unbounded (all but ({low:.2f}, {high:.2f}))"
+    estimate = "-" if share["estimate"] is None else f"{share['estimate']:.2f}"
+    return f"{estimate}, unbounded (every value)"
+
+
+def _verdict_a(rows: dict, derived: dict, share, unrun, unplanned, model) -> tuple[str, str]:
+    """Supported when Wgrad's share's Fieller interval is bounded and above 1/2, refuted when bounded and
+    below it; otherwise (an unbounded set: full - fp8 not significantly non-zero) not resolved."""
+    if share is None:
+        return _pending(("C1", "C2", "C3"), rows, unrun, unplanned, model)
+    why = f"Wgrad's share C1 / (full - fp8) = {share_text(share)}"
+    ordering = derived.get("C1 - C2 - C3")
+    if ordering:
+        why += f"; C1 - C2 - C3 = {ordering['estimate']:+.4f} [{ordering['ci_low']:+.4f}, "
+        why += f"{ordering['ci_high']:+.4f}] nats"
+    if share["bounded"] and share["lo"] > SHARE_CLAIMED:
+        return "supported", why
+    if share["bounded"] and share["hi"] < SHARE_CLAIMED:
+        return "refuted", why
+    return "not resolved at this scale", why
+
+
+def _loss_reading_b(rows: dict, unrun, unplanned, model) -> tuple[str, str]:
+    """(b)'s loss reading: "better than full" when one of C5-C7 is significantly < 0 after Holm; "not
+    better than full" when every one's lower token bound lies above -MARGIN (each improvement's upper bound
+    below the margin: an intersection-union test); otherwise not resolved."""
+    if _missing(STABILISERS, rows):
+        return _pending(STABILISERS, rows, unrun, unplanned, model)
+    tokens = {n: _band_tokens(rows[n]) for n in STABILISERS}
+    why = "; ".join(
+        f"{n} = {_pct_interval(tokens[n])} {_unit(rows[n])} (Holm p {rows[n]['p_holm']:.3g})"
+        for n in STABILISERS
     )
+    if any(rows[n]["reject"] and rows[n]["estimate"] < 0 for n in STABILISERS):
+        return "better than full", why
+    if all(tokens[n]["ci_low"] is not None and tokens[n]["ci_low"] > -MARGIN for n in STABILISERS):
+        return "not better than full", why
+    return "not resolved at this scale", why
 
 
-def _verdict_a(rows: dict, derived: dict, not_estimable, not_in_design) -> tuple[str, str]:
+def _verdict_c(rows: dict, unrun, unplanned, model) -> tuple[str, str]:
+    """C10's token interval (per branch token in a branch design) within +-TOKEN_BAND: supported; wholly
+    above +TOKEN_BAND: refuted; otherwise not resolved."""
+    if "C10" not in rows:
+        return _pending(("C10",), rows, unrun, unplanned, model)
+    tok = _band_tokens(rows["C10"])
+    if tok["overhead"] is None or tok["ci_low"] is None or tok["ci_high"] is None:
+        return "not resolved at this scale", tok.get("note") or "no token conversion"
+    why = f"C10 = {tok['overhead']:+.2%} {_unit(rows['C10'])} [{tok['ci_low']:+.2%}, {tok['ci_high']:+.2%}]"
+    if -TOKEN_BAND <= tok["ci_low"] and tok["ci_high"] <= TOKEN_BAND:
+        return "supported", why
+    if tok["ci_low"] > TOKEN_BAND:
+        return "refuted", why
+    return "not resolved at this scale", why
+
+
+def _divergence_b(result: dict) -> tuple[str, str]:
+    """(b) as the study states it: not testable where no run of full diverged; else refuted when a
+    stabiliser ended in every block where full diverged, supported when each diverged in every such
+    block, otherwise not resolved."""
+    diverged = {(e["arm"], f"seed{e['seed']}") for e in result["excluded"] if e["status"] == "diverged"}
+    blocks = sorted(b for a, b in diverged if a == "full")
+    if not blocks:
+        return "not testable as stated", "no run of full diverged"
+    ended = {tuple(key.split("/")) for key in result["cells"]}
+    arms = [next(a for a in CONTRASTS[n] if a != "full") for n in STABILISERS]
+    outcome = {a: [_outcome((a, b), ended, diverged) for b in blocks] for a in arms}
+    why = f"full diverged in {', '.join(blocks)}; there " + "; ".join(
+        f"{a}: {', '.join(o)}" for a, o in outcome.items()
+    )
+    if any(all(o == "ended" for o in outs) for outs in outcome.values()):
+        return "refuted", why
+    if all(all(o == "diverged" for o in outs) for outs in outcome.values()):
+        return "supported", why
+    return "not resolved at this scale", why
+
+
+def _outcome(cell: tuple[str, str], ended: set, diverged: set) -> str:
+    return "ended" if cell in ended else "diverged" if cell in diverged else "-"
+
+
+def _model_rows(result: dict, model: str) -> tuple[dict, dict, dict | None]:
+    """(family rows, claim (a)'s sums, Wgrad's share) by name under one model: "pooled" or "paired"."""
+    share = result.get("wgrad_share")
+    if model == "pooled":
+        return _by_name(result["contrasts"]), _by_name(result["derived"]), share
+    pick = [r["paired"] for r in result["contrasts"] if r.get("paired")]
+    sums = [r["paired"] for r in result["derived"] if r.get("paired")]
+    return _by_name(pick), _by_name(sums), share and share.get("paired")
+
+
+def _both(pooled: tuple[str, str], paired: tuple[str, str]) -> dict:
+    """A verdict reached under both models: stated where they agree, "model-dependent" where not."""
+    agree = pooled[0] == paired[0]
+    return {
+        "verdict": pooled[0] if agree else "model-dependent",
+        "why": pooled[1],
+        "model_dependent": not agree,
+        "pooled": {"verdict": pooled[0], "why": pooled[1]},
+        "paired": {"verdict": paired[0], "why": paired[1]},
+    }
+
+
+def claim_verdicts(result: dict) -> dict[str, dict]:
+    """docs/study_plan.md's decision rules as amended on 2026-12-05, under both models, with the
+    pre-registered rules' verdicts beside them: {claim: {claim, verdict, why, model_dependent, pooled,
+    paired, preregistered}}; (b)'s verdict is the divergence test, its loss reading under "loss_reading"."""
+    unrun, unplanned = result["not_estimable"], result["not_in_design"]
+    judged = {}
+    for model in ("pooled", "paired"):
+        rows, sums, share = _model_rows(result, model)
+        judged[model] = {
+            "a": _verdict_a(rows, sums, share, unrun, unplanned, model),
+            "b": _loss_reading_b(rows, unrun, unplanned, model),
+            "c": _verdict_c(rows, unrun, unplanned, model),
+        }
+    out = {k: {"claim": CLAIMS[k], **_both(judged["pooled"][k], judged["paired"][k])} for k in CLAIMS}
+    stated, why = _divergence_b(result)
+    loss = {**out["b"], "margin": MARGIN}
+    del loss["claim"]
+    out["b"] = {"claim": CLAIMS["b"], "verdict": stated, "why": why, "model_dependent": False}
+    out["b"]["loss_reading"] = loss
+    for k, verdict in _preregistered(result).items():
+        out[k]["preregistered"] = {"verdict": verdict[0], "why": verdict[1]}
+    return out
+
+
+# ------------------------------------------------- the pre-registered rules (superseded, reported beside)
+
+
+def _preregistered(result: dict) -> dict[str, tuple[str, str]]:
+    """study_plan.md's decision rules as pre-registered, on the pooled model and whole-run tokens."""
+    rows, sums = _by_name(result["contrasts"]), _by_name(result["derived"])
+    unrun, unplanned = result["not_estimable"], result["not_in_design"]
+    return {
+        "a": _preregistered_a(rows, sums, unrun, unplanned),
+        "b": _preregistered_b(rows, unrun, unplanned),
+        "c": _preregistered_c(rows, unrun, unplanned),
+    }
+
+
+def _preregistered_a(rows: dict, derived: dict, not_estimable, not_in_design) -> tuple[str, str]:
     """Supported: C1 significantly > 0 and C1 > C2 + C3 (the ordering significant); refuted: C1 not
     significantly > 0 while C2 + C3 is; otherwise not resolved. C1 by Holm, the two sums by Bonferroni."""
     if _missing(("C1", "C2", "C3"), rows) or _missing(DERIVED, derived):
@@ -278,73 +545,122 @@ def _verdict_a(rows: dict, derived: dict, not_estimable, not_in_design) -> tuple
     return "not resolved at this scale", why
 
 
-def _verdict_b(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
-    names = ("C5", "C6", "C7")
-    if _missing(names, rows):
-        return _pending(names, rows, not_estimable, not_in_design)
-    helps = [n for n in names if rows[n]["reject"] and rows[n]["estimate"] < 0]
-    why = "; ".join(f"{n} = {rows[n]['estimate']:+.4f} (Holm p {rows[n]['p_holm']:.3g})" for n in names)
+def _preregistered_b(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
+    if _missing(STABILISERS, rows):
+        return _pending(STABILISERS, rows, not_estimable, not_in_design)
+    helps = [n for n in STABILISERS if rows[n]["reject"] and rows[n]["estimate"] < 0]
+    why = "; ".join(f"{n} = {rows[n]['estimate']:+.4f} (Holm p {rows[n]['p_holm']:.3g})" for n in STABILISERS)
     return ("refuted" if helps else "supported"), why
 
 
-def _verdict_c(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
+def _preregistered_c(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
+    """C10's whole-run token interval against the +-2.5 % band."""
     if "C10" not in rows:
         return _pending(("C10",), rows, not_estimable, not_in_design)
-    tok = rows["C10"]["tokens"]
-    if tok["overhead"] is None:
-        return "not resolved at this scale", tok.get("note") or "no token conversion"
-    why = f"C10 = {tok['overhead']:+.2%} tokens [{tok['ci_low']:+.2%}, {tok['ci_high']:+.2%}]"
-    if -TOKEN_BAND <= tok["ci_low"] and tok["ci_high"] <= TOKEN_BAND:
-        return "supported", why
-    if tok["ci_low"] > TOKEN_BAND:
-        return "refuted", why
-    return "not resolved at this scale", why
-
-
-def claim_verdicts(result: dict) -> dict[str, dict]:
-    """docs/study_plan.md's decision rules: {claim: {claim, verdict, why}}."""
-    rows = _by_name(result["contrasts"])
-    unrun, unplanned = result["not_estimable"], result["not_in_design"]
-    decided = {
-        "a": _verdict_a(rows, _by_name(result["derived"]), unrun, unplanned),
-        "b": _verdict_b(rows, unrun, unplanned),
-        "c": _verdict_c(rows, unrun, unplanned),
-    }
-    return {k: {"claim": CLAIMS[k], "verdict": v, "why": why} for k, (v, why) in decided.items()}
+    whole = {k: v for k, v in rows["C10"].items() if k != "per_branch_token"}
+    return _verdict_c({"C10": whole}, not_estimable, not_in_design, "pooled")
 
 
 def _nats(value: float | None) -> str:
     return "- (no residual df)" if value is None else f"{value:.4f} nats"
 
 
+def _interval(row: dict) -> str:
+    return f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
+
+
+def _corrected(row: dict, adjusted: str | None) -> str:
+    """A row's p, and its corrected p (with * where rejected) if it has one."""
+    if not adjusted or adjusted not in row:
+        return f"{row['p']:.3g}"
+    label = {"p_holm": "Holm", "p_bonferroni": "Bonferroni"}[adjusted]
+    return f"{row['p']:.3g} ({label} {row[adjusted]:.3g}{' *' if row['reject'] else ''})"
+
+
+def _models(row: dict) -> str:
+    if row.get("paired") is None:
+        return "-"
+    return "model-dependent" if row["model_dependent"] else "agree"
+
+
+def _head(first: str, branch: bool) -> list[str]:
+    cells = [first, "weights", "loss difference, nats [95 %]", "token overhead [95 %]"]
+    cells += ["per branch token [95 %]"] if branch else []
+    cells += ["p (corrected, * rejected)", "paired t, nats [95 %]", "paired p (corrected)", "models"]
+    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+
+
 def _row(row: dict, adjusted: str | None = None) -> str:
-    """One table row; `adjusted` names the row's corrected p ("p_holm", "p_bonferroni") if it has one."""
-    tok = row["tokens"]
-    tokens = (
-        "-"
-        if tok["overhead"] is None
-        else f"{tok['overhead']:+.1%} [{tok['ci_low']:+.1%}, {tok['ci_high']:+.1%}]"
-    )
+    """One table row: the pooled model's numbers, per branch token where the row has them, then the paired
+    t numbers and whether the two models decide alike. `adjusted` names the corrected p, if any."""
+    paired = row.get("paired")
     cells = [
         row["name"],
         stats.weights_text(row["weights"]),
-        f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]",
-        tokens,
-        f"{row['p']:.3g}",
-        *([f"{row[adjusted]:.3g}" + (" *" if row["reject"] else "")] if adjusted else []),
+        _interval(row),
+        _pct_interval(row["tokens"]),
+        *([_pct_interval(row["per_branch_token"])] if "per_branch_token" in row else []),
+        _corrected(row, adjusted),
+        "-" if paired is None else _interval(paired),
+        "-" if paired is None else _corrected(paired, adjusted),
+        _models(row),
     ]
     return "| " + " | ".join(cells) + " |"
 
 
-def to_markdown(result: dict) -> str:
-    """The tables a reader wants: each arm against the baseline, the contrasts, the verdicts."""
+def _intro(result: dict) -> list[str]:
     at = ", ".join(f"{t:,}" for t in result["metric_tokens"])
-    lines = [
+    units = "token overhead through the baseline's fitted curve"
+    if result.get("trunk_tokens") is not None:
+        units += (
+            f", in whole-run tokens and per branch token (the trunk's {result['trunk_tokens']:,} tokens "
+            "taken out of both counts; the bands apply per branch token)"
+        )
+    return [
         f"Primary metric: {result['metric']} (tokens {at}); "
         f"paired arm x seed model over the pre-registered arms, pooled residual sd "
-        f"{_nats(result['pooled_sd'])} ({result['df']} df); 95 % t intervals; token overhead through the "
-        "baseline's fitted curve.",
+        f"{_nats(result['pooled_sd'])} ({result['df']} df); 95 % t intervals; {units}. Beside it, the "
+        "paired t interval of each contrast over the blocks where all its arms ended (df = blocks - 1); "
+        '"model-dependent": the two models decide differently.',
     ]
+
+
+def _share_lines(share: dict | None) -> list[str]:
+    if share is None:
+        return []
+    paired = "-" if share["paired"] is None else share_text(share["paired"])
+    return [
+        "",
+        f"Claim (a)'s primary test, Wgrad's share of full's cost C1 / (full - fp8) with Fieller's 95 % "
+        f"interval: pooled {share_text(share)}; paired t {paired}. The claim needs it above "
+        f"{share['claimed_above']:g}; the study's 8B figures give about {share['at_8b']:.2f}.",
+    ]
+
+
+def _verdict_cell(verdict: dict) -> str:
+    return f"{verdict['verdict']}: {verdict['why']}"
+
+
+def _verdict_lines(verdicts: dict) -> list[str]:
+    lines = [
+        "",
+        "| claim | verdict | pooled model | paired t | pre-registered rule (superseded) |",
+        "|---|---|---|---|---|",
+    ]
+    for k, v in verdicts.items():
+        judged = v.get("loss_reading", v)
+        prefix = f"loss reading, margin {judged['margin']:.1%}: " if "loss_reading" in v else ""
+        verdict = f"**{v['verdict']}**" + (f": {v['why']}" if "loss_reading" in v else "")
+        cells = [f"({k}) {v['claim']}", verdict]
+        cells += [prefix + _verdict_cell(judged[m]) for m in ("pooled", "paired")]
+        cells.append(_verdict_cell(v["preregistered"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def to_markdown(result: dict) -> str:
+    """The tables a reader wants: each arm against the baseline, the contrasts, the verdicts."""
+    lines = _intro(result)
     other = [a for a in result["reported_model"]["arms"] if a not in result["family_arms"]]
     if other:
         model = result["reported_model"]
@@ -359,17 +675,15 @@ def to_markdown(result: dict) -> str:
             f"Interim: planned runs not yet ended: {', '.join(result['cells_pending'])}; "
             "the verdicts below may change when they have."
         )
-    head = "| {} | weights | loss difference, nats [95 %] | token overhead [95 %] | p |"
-    lines += ["", head.format("arm"), "|---|---|---|---|---|"]
-    lines += [_row(r) for r in result["versus_baseline"]]
-    lines += ["", head.format("contrast") + " Holm p (* rejected) |", "|---|---|---|---|---|---|"]
-    lines += [_row(r, "p_holm") for r in result["contrasts"]]
+    branch = result.get("trunk_tokens") is not None
+    lines += ["", *_head("arm", branch), *(_row(r) for r in result["versus_baseline"])]
+    lines += ["", "The pre-registered family, Holm's correction in each model:", ""]
+    lines += [*_head("contrast", branch), *(_row(r, "p_holm") for r in result["contrasts"])]
     if result["derived"]:
         m = result["derived"][0]["family_size"]
         title = f"Claim (a)'s sums of contrasts, outside the family, judged by Bonferroni over its {m}:"
-        lines += ["", title, ""]
-        lines += [head.format("sum") + " Bonferroni p (* rejected) |", "|---|---|---|---|---|---|"]
-        lines += [_row(r, "p_bonferroni") for r in result["derived"]]
+        lines += ["", title, "", *_head("sum", branch), *(_row(r, "p_bonferroni") for r in result["derived"])]
+    lines += _share_lines(result.get("wgrad_share"))
     if result["not_estimable"]:
         lines.append(f"\nNot estimable yet: {', '.join(result['not_estimable'])}.")
     if result["not_in_design"]:
@@ -377,10 +691,8 @@ def to_markdown(result: dict) -> str:
     lines += _secondary_markdown(result.get("secondary"))
     if result["reported"]:
         lines += ["", "The literature's recipes, outside the Holm family (no verdict):", ""]
-        lines += [head.format("contrast"), "|---|---|---|---|---|"]
-        lines += [_row(r) for r in result["reported"]]
-    lines += ["", "| claim | verdict | numbers |", "|---|---|---|"]
-    lines += [f"| ({k}) {v['claim']} | {v['verdict']} | {v['why']} |" for k, v in result["verdicts"].items()]
+        lines += [*_head("contrast", branch), *(_row(r) for r in result["reported"])]
+    lines += _verdict_lines(result["verdicts"])
     return "\n".join(lines) + "\n"
 
 
@@ -390,29 +702,39 @@ def _secondary_markdown(secondary: dict | None) -> list[str]:
     lines = [
         "",
         f"Secondary metric: {secondary['metric']}, {secondary['cells']} runs; the same model, pooled "
-        f"residual sd {_nats(secondary['pooled_sd'])} ({secondary['df']} df); 95 % t intervals, no "
-        "correction, no verdict:",
+        f"residual sd {_nats(secondary['pooled_sd'])} ({secondary['df']} df); 95 % t intervals, paired t "
+        "beside them, no correction, no verdict:",
         "",
-        "| arm or contrast | weights | difference, nats [95 %] | p |",
-        "|---|---|---|---|",
+        "| arm or contrast | weights | difference, nats [95 %] | p | paired t, nats [95 %] | paired p "
+        "| models |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in secondary["versus_baseline"] + secondary["contrasts"]:
-        interval = f"{row['estimate']:+.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
-        weights = stats.weights_text(row["weights"])
-        lines.append(f"| {row['name']} | {weights} | {interval} | {row['p']:.3g} |")
+        paired = row.get("paired")
+        cells = [row["name"], stats.weights_text(row["weights"]), _interval(row), f"{row['p']:.3g}"]
+        cells += ["-", "-"] if paired is None else [_interval(paired), f"{paired['p']:.3g}"]
+        lines.append("| " + " | ".join([*cells, _models(row)]) + " |")
     return lines
 
 
 def forest_plot(result: dict, path: str) -> None:
-    """Each arm's and contrast's token overhead with its 95 % interval (plots.plot_forest)."""
+    """Each arm's and contrast's token overhead with its 95 % interval (plots.plot_forest), in the unit
+    the bands apply in: per branch token in a branch design."""
     every = result["versus_baseline"] + result["contrasts"] + result["derived"] + result["reported"]
-    rows = [r for r in every if r["tokens"]["overhead"] is not None]
-    plots.plot_forest([(_label(r), r["tokens"]) for r in rows], TOKEN_BAND, path)
+    rows = [(_label(r), _band_tokens(r)) for r in every if _plotted(_band_tokens(r))]
+    branch = result.get("trunk_tokens") is not None
+    unit = "token overhead per branch token" if branch else "token overhead"
+    plots.plot_forest(rows, TOKEN_BAND, path, xlabel=f"{unit} (iso-loss, 95 % interval)")
+
+
+def _plotted(tok: dict) -> bool:
+    return all(tok[k] is not None for k in ("overhead", "ci_low", "ci_high"))
 
 
 def design_forest_plot(results: dict[str, dict], path: str) -> None:
     """The pre-registered contrasts (and full against the baseline) of several analyses side by side:
-    results maps a design's name (e.g. "from scratch", "branched at 250") to its `analyze` dict."""
+    results maps a design's name (e.g. "from scratch", "branched at 250") to its `analyze` dict. Token
+    overheads in the unit the bands apply in (per branch token for a branch design)."""
     names = ["full - fp8", *CONTRASTS, *DERIVED]
     labels, series = [], {design: [] for design in results}
     for name in names:
@@ -421,8 +743,10 @@ def design_forest_plot(results: dict[str, dict], path: str) -> None:
             continue
         labels.append(_label(next(row for row in found.values() if row)))
         for design, row in found.items():
-            series[design].append(row["tokens"] if row else None)
-    plots.plot_forest_by_design(labels, series, TOKEN_BAND, path)
+            tok = row and _band_tokens(row)
+            series[design].append(tok if tok and _plotted(tok) else None)
+    xlabel = "token overhead, iso-loss, 95 % (branched: per branch token)"
+    plots.plot_forest_by_design(labels, series, TOKEN_BAND, path, xlabel=xlabel)
 
 
 def _find(result: dict, name: str) -> dict | None:

@@ -134,7 +134,10 @@ def _first_diag(g: dict) -> dict | None:
     return run and run["diagnostics"]
 
 
-def plot_forest(rows: list[tuple[str, dict]], band: float, path: str) -> None:
+FOREST_XLABEL = "token overhead (iso-loss, 95 % interval)"
+
+
+def plot_forest(rows: list[tuple[str, dict]], band: float, path: str, xlabel: str = FOREST_XLABEL) -> None:
     """(label, token overhead with ci_low / ci_high) per row, top to bottom, each with its 95 % interval;
     +-band shaded (claim (c)'s equivalence band)."""
     plt = _pyplot()
@@ -148,13 +151,15 @@ def plot_forest(rows: list[tuple[str, dict]], band: float, path: str) -> None:
     ax.axvline(0, color="k", lw=0.8)
     ax.axvspan(-band, band, color="0.9", zorder=0)
     ax.set_yticks(ys, [label for label, _ in rows], fontsize=8)
-    ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="arms against fp8, and the contrasts")
+    ax.set(xlabel=xlabel, title="arms against fp8, and the contrasts")
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.grid(alpha=0.3, axis="x")
     _save(fig, path)
 
 
-def plot_forest_by_design(labels: list[str], series: dict[str, list], band: float, path: str) -> None:
+def plot_forest_by_design(
+    labels: list[str], series: dict[str, list], band: float, path: str, xlabel: str = FOREST_XLABEL
+) -> None:
     """One row per label, one marker per design (series: design -> a token-overhead dict with ci_low /
     ci_high, or None, per label), each with its 95 % interval, offset within the row; +-band shaded."""
     plt = _pyplot()
@@ -175,7 +180,7 @@ def plot_forest_by_design(labels: list[str], series: dict[str, list], band: floa
     ax.axvline(0, color="k", lw=0.8)
     ax.axvspan(-band, band, color="0.9", zorder=0)
     ax.set_yticks(ys, labels, fontsize=8)
-    ax.set(xlabel="token overhead (iso-loss, 95 % interval)", title="the contrasts, by design")
+    ax.set(xlabel=xlabel, title="the contrasts, by design")
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8, loc="upper left")  # the top rows sit right of zero

@@ -7,11 +7,18 @@ baseline's fitted curve, and the per-run metrics they take. docs/study_analysis.
   with one sigma for the whole table. Missing cells are NaN. Fitted by least squares on the design matrix;
   sigma^2 is pooled from the whole table's residuals, df = observed cells - rank of the design. A contrast
   (weights over arms summing to 0) has a t-based interval with those df.
+- Paired t beside it: a contrast's value in each block where all its arms are observed, their mean and the
+  one-sample t interval (n - 1 df, a variance per contrast rather than one for the table).
+- Fieller's interval for the ratio of two contrasts (e.g. Wgrad's share of full's cost): the set of r for
+  which num - r den is not significantly non-zero, from either model; unbounded where den is not
+  significantly non-zero.
 - Holm's step-down correction over a named family of pre-registered contrasts controls the family-wise error.
 - Iso-loss token ratio. The baseline's eval curve is fitted as L(T) = E + A T^-alpha. An arm whose loss at
   tokens T0 exceeds the baseline's by delta is taken to be the baseline stretched in tokens by a factor rho
   (L_arm(T) = L(T / rho)); rho - 1 is the arm's token overhead: positive when the arm needs more tokens for
   the same loss. Its error carries the contrast's SE and the curve's parameter covariance (delta method).
+  Per branch token (a branch that starts from a trunk's T0 tokens): L_arm(T) = L(T0 + (T - T0) / rho_b),
+  the same iso-loss equality with the trunk's tokens taken out of both counts.
 """
 
 from __future__ import annotations
@@ -30,16 +37,22 @@ from fp4jax.training.divergence import DivergenceGuard
 __all__ = [
     "AdditiveFit",
     "PowerLaw",
+    "block_values",
     "cells_to_table",
     "contrast",
     "contrast_family",
+    "fieller",
     "final_eval_loss",
     "final_eval_losses",
     "fit_additive",
     "fit_power_law",
+    "fit_ratio",
     "holm",
     "iso_loss_overhead",
     "loss_spikes",
+    "paired_ratio",
+    "paired_t",
+    "per_branch_token",
     "t_quantile",
     "tokens_to_target",
     "weights_text",
@@ -272,6 +285,86 @@ def welch(a: Sequence[float], b: Sequence[float], level=LEVEL) -> dict:
     }
 
 
+# --------------------------------------------------------------------- paired t and Fieller's ratio
+
+
+def block_values(y, arms: Sequence[str], blocks: Sequence[str], weights: Mapping[str, float]):
+    """(values, blocks used): sum_i w_i y[arm_i, b] for every block b where each arm the contrast weights
+    is observed (NaN = missing), in the table's block order."""
+    y = np.asarray(y, dtype=float)
+    unknown = sorted(set(weights) - set(arms))
+    if unknown:
+        raise ValueError(f"contrast names arms {unknown} not in the table (arms: {list(arms)})")
+    rows = [list(arms).index(a) for a, w in weights.items() if w != 0]
+    w = np.array([float(weights[arms[i]]) for i in rows])
+    complete = ~np.isnan(y[rows]).any(axis=0)
+    return w @ y[rows][:, complete], tuple(b for b, keep in zip(blocks, complete, strict=True) if keep)
+
+
+def paired_t(values: Sequence[float], level=LEVEL) -> dict:
+    """The mean of per-block contrast values with its one-sample t interval and two-sided p against 0
+    (scipy's ttest_1samp; df = n - 1, SE = sd / sqrt(n)). Needs 2 or more values."""
+    values = np.asarray(values, dtype=float)
+    if values.size < 2 or np.isnan(values).any():
+        raise ValueError(f"a paired t interval needs 2 or more finite block values, got {values.tolist()}")
+    result = scipy.stats.ttest_1samp(values, 0.0)
+    interval = result.confidence_interval(level)
+    return {
+        "estimate": float(values.mean()),
+        "se": float(values.std(ddof=1) / math.sqrt(values.size)),
+        "df": int(values.size - 1),
+        "t": float(result.statistic),
+        "p": float(result.pvalue),
+        "level": level,
+        "ci_low": float(interval.low),
+        "ci_high": float(interval.high),
+        "n_blocks": int(values.size),
+    }
+
+
+def fieller(num: float, den: float, var_num: float, var_den: float, cov: float, df: float, level=LEVEL):
+    """Fieller's interval for num / den: {r : (num - r den)^2 <= t^2 var(num - r den)}, t the two-sided
+    `level` quantile with df degrees of freedom, var(num - r den) = var_num - 2 r cov + r^2 var_den.
+
+    With q = t^2: (den^2 - q var_den) r^2 - 2 (num den - q cov) r + num^2 - q var_num <= 0. Where den is
+    significantly non-zero (den^2 > q var_den) the set is the interval between the roots ("interval");
+    otherwise it is unbounded: all r outside the roots ("two half-lines", the roots in `excluded`) or every r
+    ("whole line"). lo and hi are None unless bounded."""
+    q = t_quantile(df, level) ** 2
+    a, b, c = den * den - q * var_den, num * den - q * cov, num * num - q * var_num
+    disc = b * b - a * c
+    out = {"estimate": num / den if den != 0 else None, "lo": None, "hi": None, "level": level, "df": df}
+    if a > 0:  # the estimate lies inside, so disc >= 0 up to rounding
+        half = math.sqrt(max(disc, 0.0))
+        return {**out, "lo": (b - half) / a, "hi": (b + half) / a, "bounded": True, "kind": "interval"}
+    if a < 0 and disc > 0:
+        roots = sorted(((b - math.sqrt(disc)) / a, (b + math.sqrt(disc)) / a))
+        return {**out, "bounded": False, "kind": "two half-lines", "excluded": roots}
+    return {**out, "bounded": False, "kind": "whole line"}
+
+
+def fit_ratio(fit: AdditiveFit, num: Mapping[str, float], den: Mapping[str, float], level=LEVEL) -> dict:
+    """Fieller's interval for the ratio of two contrasts of one pooled fit: their covariance is
+    sigma2 c_num' (X'X)^+ c_den, the df the fit's residual df."""
+    if fit.df == 0:
+        raise ValueError("the ratio of two contrasts needs residual degrees of freedom: add seeds or trunks")
+    c_num, c_den = _weight_vector(fit, num, "numerator"), _weight_vector(fit, den, "denominator")
+    cov = fit.sigma2 * np.array([c_num, c_den]) @ fit.xtx_pinv @ np.array([c_num, c_den]).T
+    estimates = c_num @ fit.coef, c_den @ fit.coef
+    return fieller(*map(float, estimates), cov[0, 0], cov[1, 1], cov[0, 1], fit.df, level)
+
+
+def paired_ratio(num_values: Sequence[float], den_values: Sequence[float], level=LEVEL) -> dict:
+    """Fieller's interval for mean(num) / mean(den) from per-block values of two contrasts (the same blocks,
+    in order): the means' variances and covariance are the sample ones / n, df = n - 1."""
+    values = np.asarray([num_values, den_values], dtype=float)
+    n = values.shape[1]
+    if n < 2 or np.isnan(values).any():
+        raise ValueError(f"a paired ratio needs 2 or more finite blocks of both contrasts, got {n}")
+    cov = np.cov(values, ddof=1) / n
+    return fieller(*values.mean(axis=1), cov[0, 0], cov[1, 1], cov[0, 1], n - 1, level) | {"n_blocks": n}
+
+
 # ------------------------------------------------------------------------------ the baseline's curve
 
 
@@ -418,6 +511,43 @@ def iso_loss_overhead(curve: PowerLaw, tokens, delta: float, delta_se: float, de
         "method": OVERHEAD_METHOD,
         "note": _extrapolation(curve, t * curve.t_ref / rho),
     }
+
+
+def per_branch_token(curve: PowerLaw, tokens, trunk_tokens: float, whole: Mapping) -> dict:
+    """A branch's token overhead counted from its branch point: the whole-run overhead `whole`
+    (iso_loss_overhead's dict) restated with the trunk's tokens T0 taken out of both counts.
+
+    Model: L_arm(T) = L(T0 + (T - T0) / rho_b), L the baseline's curve, rho_b solved from the equality that
+    gives the whole-run ratio rho (the mean over `tokens` of L_arm equals that of L(T / rho)). rho_b rises
+    with rho, so the whole-run interval's end points map to this one's (the same coverage); with T0 = 0,
+    rho_b = rho. A number is None where the whole-run one is, or where the arm's loss is at or above the
+    baseline's at the branch point (no count of branch tokens reaches it)."""
+    t = np.atleast_1d(np.asarray(tokens, dtype=float))
+    if trunk_tokens < 0 or not (t > trunk_tokens).all():
+        raise ValueError(f"per branch token: tokens {t.tolist()} must lie past the trunk's {trunk_tokens}")
+    out = {
+        key: _branch_overhead(curve, t, trunk_tokens, whole.get(key))
+        for key in ("overhead", "ci_low", "ci_high")
+    }
+    note = None if out["overhead"] is not None else "no count of branch tokens reaches the arm's loss"
+    return {**out, "trunk_tokens": float(trunk_tokens), "level": whole.get("level", LEVEL), "note": note}
+
+
+def _branch_overhead(curve: PowerLaw, t: np.ndarray, trunk_tokens: float, overhead) -> float | None:
+    """rho_b - 1 with mean L(T0 + (T - T0) / rho_b) = mean L(T / rho), rho = 1 + overhead (brentq in
+    log rho_b; the left side rises with rho_b from about E to L(T0))."""
+    if overhead is None or overhead <= -1:
+        return None
+    target = float(np.mean(curve.loss(t / (1 + overhead))))
+
+    def gap(log_rho_b: float) -> float:
+        stretched = trunk_tokens + (t - trunk_tokens) / math.exp(log_rho_b)
+        return float(np.mean(curve.loss(stretched))) - target
+
+    low, high = -30.0, 30.0
+    if gap(low) >= 0 or gap(high) <= 0:
+        return None
+    return math.exp(scipy.optimize.brentq(gap, low, high, xtol=1e-14)) - 1
 
 
 def _satterthwaite(*parts: tuple[float, float]) -> float:
