@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fp4jax.study import analysis, claims
+from fp4jax.study import analysis, branching, claims
 
 E, A, ALPHA = 3.0, 60.0, 0.3
 TOKENS = [1_000_000 * k for k in range(1, 21)]
@@ -289,3 +289,124 @@ def test_designs_side_by_side_plot_each_contrast_once_per_design(tmp_path, monke
     assert series["fewer arms"][1] is None  # C1 needs fprop_dgrad, not run there
     assert series["scratch"][-1] == _derived(every, "C2 + C3")["tokens"] and series["fewer arms"][-1] is None
     assert (tmp_path / "d.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------- the rules of the amendment of 2026-12-05 (study_plan.md)
+
+
+def test_a_verdict_only_the_pooled_model_reaches_is_model_dependent():
+    """full's seeds move against the shared seed effect (+-0.004 nats): the pooled model spreads that over
+    every arm's residual and finds Wgrad's share above 1/2, the paired one (C1 and full - fp8 per seed,
+    2 df) does not. The verdict says so, and so do the rows whose decisions differ."""
+    stretch = {
+        arm: 1.0 + {**WGRAD_DOMINATED, "full_sr_prescale": 0.15, "full_h16": 0.03}.get(arm, 0) for arm in ARMS
+    }
+    shift = {0: 0.004, 1: -0.004, 2: 0.0}
+    runs = [_shifted(r, shift[r.seed]) if r.rung == "full" else r for r in _runs(stretch)]
+    result = claims.analyze(runs, "fp8", ARMS, last_k=5)
+    verdict = result["verdicts"]["a"]
+    assert verdict["verdict"] == "model-dependent" and verdict["model_dependent"]
+    assert verdict["pooled"]["verdict"] == "supported"
+    assert verdict["paired"]["verdict"] == "not resolved at this scale"
+    share = result["wgrad_share"]
+    assert share["lo"] > 0.5 and share["paired"]["lo"] < 0.5 and share["paired"]["n_blocks"] == 3
+    assert set(share) >= {"estimate", "lo", "hi"}
+    c5 = _row(result, "C5")  # full_sr - full: full's deviations are the whole paired spread
+    assert c5["paired"]["se"] > c5["se"] and c5["paired"]["df"] == 2
+    text = claims.to_markdown(result)
+    assert "| (a) " in text and "**model-dependent**" in text and "paired t 0.73 [" in text
+    rows = result["versus_baseline"] + result["contrasts"] + result["derived"]
+    for row in rows:
+        assert row["model_dependent"] == (claims._decision(row) != claims._decision(row["paired"]))
+
+
+def _with_status(runs, cells: dict):
+    """The runs with (arm, seed) -> status replaced (a diverged run has no primary metric)."""
+    return [dataclasses.replace(r, status=cells.get((r.rung, r.seed), r.status)) for r in runs]
+
+
+@pytest.mark.parametrize(
+    ("stabilisers_diverge", "verdict"),
+    [
+        ({"full_sr": (0,), "full_sr_prescale": (0,), "full_rht": (0,)}, "supported"),
+        ({"full_sr": (0,), "full_sr_prescale": (0,)}, "refuted"),  # full_rht ends where full diverged
+        ({"full_sr": (0,), "full_sr_prescale": (0,), "full_rht": (1,)}, "refuted"),
+    ],
+)
+def test_claim_b_as_stated_is_judged_on_divergence_where_full_diverges(stabilisers_diverge, verdict):
+    base = _runs({arm: 1.0 + WGRAD_DOMINATED.get(arm, 0.0) for arm in ARMS})
+    assert claims.analyze(base, "fp8", ARMS, last_k=5)["verdicts"]["b"]["verdict"] == "not testable as stated"
+    diverged = {("full", 0): "diverged"}
+    diverged |= {(arm, s): "diverged" for arm, seeds in stabilisers_diverge.items() for s in seeds}
+    result = claims.analyze(_with_status(base, diverged), "fp8", ARMS, last_k=5)
+    assert result["verdicts"]["b"]["verdict"] == verdict
+    assert result["verdicts"]["b"]["why"].startswith("full diverged in seed0; there full_sr: diverged")
+    assert "loss_reading" in result["verdicts"]["b"]
+
+
+def test_claim_b_is_not_resolved_where_a_stabiliser_has_not_ended_in_a_block_where_full_diverged():
+    base = _runs({arm: 1.0 + WGRAD_DOMINATED.get(arm, 0.0) for arm in ARMS})
+    cells = {("full", 0): "diverged", ("full_sr", 0): "diverged", ("full_sr_prescale", 0): "diverged"}
+    cells[("full_rht", 0)] = "unfinished"
+    result = claims.analyze(_with_status(base, cells), "fp8", ARMS, last_k=5)
+    assert result["verdicts"]["b"]["verdict"] == "not resolved at this scale"
+    assert result["verdicts"]["b"]["why"].endswith("full_rht: -")
+
+
+def test_claim_b_loss_reading_needs_every_improvements_bound_within_the_margin():
+    """A noisy stabiliser (0.01 nats per seed against full) leaves its improvement's bound beyond -2.5 %:
+    not resolved, though none is significantly better than full (the pre-registered rule's "supported")."""
+    stretch = {arm: 1.0 + {**WGRAD_DOMINATED, "full_sr_prescale": 0.15}.get(arm, 0.0) for arm in ARMS}
+    shift = {0: 0.01, 1: -0.01, 2: 0.0}
+    runs = [_shifted(r, shift[r.seed]) if r.rung == "full_rht" else r for r in _runs(stretch)]
+    verdicts = claims.analyze(runs, "fp8", ARMS, last_k=5)["verdicts"]
+    assert verdicts["b"]["loss_reading"]["verdict"] == "not resolved at this scale"
+    assert verdicts["b"]["loss_reading"]["margin"] == claims.MARGIN == 0.025
+    assert verdicts["b"]["preregistered"]["verdict"] == "supported"
+
+
+TRUNK_STEP, TOKENS_PER_STEP = 10, 1_000_000
+
+
+def _branch(arm: str, seed: int, rho_b: float, seed_shift: float, noise):
+    """A branch from a trunk at TRUNK_STEP: evaluations past it, the baseline's curve stretched in branch
+    tokens, L(T0 + (T - T0) / rho_b)."""
+    t0 = TRUNK_STEP * TOKENS_PER_STEP
+    evals = tuple(
+        (t // TOKENS_PER_STEP, t, E + A * (t0 + (t - t0) / rho_b) ** -ALPHA + seed_shift + float(noise[i]))
+        for i, t in enumerate(TOKENS[TRUNK_STEP:])
+    )
+    return analysis.StudyRun(
+        arm, None, seed, "not_reached", evals, None, TOKENS[-1], None, None, None, None, 1.0, ""
+    )
+
+
+def test_a_branch_designs_overheads_per_branch_token_recover_the_planted_stretch_and_carry_the_bands():
+    """Branches from a trunk at 10M tokens, evaluated to 20M: an arm stretched by rho_b in branch tokens
+    shows about half that overhead in whole-run tokens and rho_b - 1 per branch token, where claim (c)'s
+    band applies: full_h16 about 5 % per branch token above fprop is outside +-2.5 %, inside it whole-run."""
+    planted = {"fp8": 1.0, "fprop": 1.03, "fprop_dgrad": 1.04, "full": 1.15, "full_sr": 1.15}
+    planted |= {"full_sr_prescale": 1.15, "full_rht": 1.15, "full_h16": 1.08}
+    rng = np.random.default_rng(4)
+    shifts = {s: rng.normal(0, 0.001) for s in (0, 1, 2)}  # small: the pooled curve's error stays small
+    runs = [
+        _branch(a, s, rho, shifts[s], rng.normal(0, 2e-5, 10)) for a, rho in planted.items() for s in shifts
+    ]
+    assert branching.trunk_tokens(runs, TRUNK_STEP) == TRUNK_STEP * TOKENS_PER_STEP
+    result = claims.analyze(runs, "fp8", ARMS, 5, trunk_tokens=branching.trunk_tokens(runs, TRUNK_STEP))
+    full = _row(result, "full - fp8")
+    assert full["per_branch_token"]["ci_low"] <= 0.15 <= full["per_branch_token"]["ci_high"]
+    assert full["tokens"]["overhead"] == pytest.approx(0.15 * 0.45 / 1.45, abs=0.015)  # diluted by the trunk
+    c10 = _row(result, "C10")
+    assert c10["per_branch_token"]["ci_low"] > 0.025 and c10["tokens"]["ci_high"] < 0.025
+    assert result["verdicts"]["c"]["verdict"] == "refuted"  # the band per branch token
+    assert result["verdicts"]["c"]["preregistered"]["verdict"] == "supported"  # whole-run, as pre-registered
+    assert "per branch token [95 %]" in claims.to_markdown(result)
+    assert all("per_branch_token" in r for r in result["contrasts"] + result["derived"])
+
+
+def test_trunk_tokens_refuse_branches_of_different_batch_sizes():
+    runs = [_branch("fp8", 0, 1.0, 0.0, np.zeros(10))]
+    odd = dataclasses.replace(runs[0], evals=((11, 12_000_000, 4.0),))
+    with pytest.raises(ValueError, match="tokens per update, not one whole number"):
+        branching.trunk_tokens([*runs, odd], TRUNK_STEP)

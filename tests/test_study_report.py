@@ -1,0 +1,62 @@
+"""Every committed report of the 125M study regenerates from the committed runs: `python -m fp4jax.study
+report` over docs/results/study125m/runs writes the same files as docs/results/study125m holds.
+
+The markdown must match byte for byte. The JSON must hold the same keys and values, numbers equal to
+1e-9 relative: the pooled fit's SVD and least squares sum in an order that the CPU's BLAS kernels choose,
+so its last bits differ between machines (on one machine the files repeat byte for byte). The figures'
+bytes depend on matplotlib's and FreeType's versions, so only their presence is checked.
+"""
+
+import json
+import math
+import os
+
+from fp4jax.study.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN = os.path.join("fp4jax", "study", "plans", "proxy125m.toml")
+COMMITTED = os.path.join(ROOT, "docs", "results", "study125m")
+
+
+def same(a, b, where: str = "") -> None:
+    """a == b, floats to 1e-9 relative (and 1e-15 absolute), naming the first place they differ."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), where
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15), f"{where}: {a!r} != {b!r}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a) == sorted(b), f"{where}: keys differ"
+        for key in a:
+            same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def regenerate(out) -> None:
+    """The report as docs/results.md runs it: from the repository's root (the JSON records run
+    directories as given), into `out`."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        runs = os.path.join("docs", "results", "study125m", "runs")
+        assert main(["report", "--plan", PLAN, "--root", runs, "--out", str(out)]) == 0
+    finally:
+        os.chdir(cwd)
+
+
+def test_every_committed_report_regenerates_from_the_committed_runs(tmp_path):
+    """One regeneration (several seconds) for every file: the same names, the markdown byte for byte, the
+    JSON to 1e-9."""
+    regenerate(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(f for f in os.listdir(COMMITTED) if f != "runs")
+    for name in sorted(os.listdir(COMMITTED)):
+        committed, fresh = os.path.join(COMMITTED, name), tmp_path / name
+        if name.endswith(".md"):
+            with open(committed, "rb") as f:
+                assert fresh.read_bytes() == f.read(), f"{name} differs: rerun the report (docs/results.md)"
+        elif name.endswith(".json"):
+            with open(committed, encoding="utf-8") as f:
+                same(json.loads(fresh.read_text()), json.load(f), name)
