@@ -145,8 +145,10 @@ def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(b
     c = row["contrast"]  # two arms: the paired t interval of the per-trunk differences
     assert c["estimate"] == pytest.approx(statistics.fmean(diffs)) and c["df"] == 1
     assert c["se"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(2))
+    for key in ("estimate", "se", "df", "ci_low", "ci_high"):  # with two arms the two models coincide
+        assert row["paired"][key] == pytest.approx(c[key])
     baseline = late["evals"][0]["arms"]["a"]
-    assert baseline["mean_difference"] == 0 and baseline["contrast"] is None
+    assert baseline["mean_difference"] == 0 and baseline["contrast"] is None and baseline["paired"] is None
     text = branching.to_markdown(result)
     assert "Branched at step 4:" in text and "| b | +0.0115 |" in text
 

@@ -25,7 +25,8 @@ waiting, with the first step that differs in the log.
 
 Analysis (`analyze`): per branch step s and eval tokens T shared by the branches from s, each arm's eval
 loss minus the baseline arm's branch from the same trunk (seed) and step, per seed and as the paired
-model's contrast (stats.fit_additive over arms x trunks, residual variance pooled over arms).
+model's contrast (stats.fit_additive over arms x trunks, residual variance pooled over arms) and, beside
+it, the per-trunk differences' paired t interval (stats.paired_t, 2 trunks or more).
 """
 
 from __future__ import annotations
@@ -354,6 +355,8 @@ def _differences(loss: dict, arms: list[str], stage) -> dict:
             "difference": {str(s): d for s, d in diffs.items()},
             "mean_difference": statistics.fmean(diffs.values()) if diffs else None,
             "contrast": None,
+            # the per-trunk differences' one-sample t, beside the pooled contrast (2 trunks or more)
+            "paired": stats.paired_t(list(diffs.values())) if arm != base and len(diffs) >= 2 else None,
         }
         if fit is not None and arm != base and diffs:
             try:
@@ -362,6 +365,12 @@ def _differences(loss: dict, arms: list[str], stage) -> dict:
                 pass
         out[arm] = row
     return out
+
+
+def _interval_cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    return f"{row['estimate']:+.4f} ± {row['se']:.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
 
 
 def to_markdown(result: dict) -> str:
@@ -378,16 +387,14 @@ def to_markdown(result: dict) -> str:
         last = point["evals"][-1]
         lines += [
             f"| arm | difference at {last['tokens']:,} tokens (mean over trunks) | contrast ± SE [95 % CI] | "
-            "each trunk |",
-            "|---|---|---|---|",
+            "paired t [95 % CI] | each trunk |",
+            "|---|---|---|---|---|",
         ]
         for arm, row in last["arms"].items():
-            c = row["contrast"]
-            cell = "-" if c is None else f"{c['estimate']:+.4f} ± {c['se']:.4f}"
-            cell += "" if c is None else f" [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]"
             mean = "-" if row["mean_difference"] is None else f"{row['mean_difference']:+.4f}"
             each = ", ".join(f"s{s}: {d:+.4f}" for s, d in row["difference"].items())
-            lines.append(f"| {arm} | {mean} | {cell} | {each} |")
+            cells = [arm, mean, _interval_cell(row["contrast"]), _interval_cell(row.get("paired")), each]
+            lines.append("| " + " | ".join(cells) + " |")
         if point["missing"]:
             lines.append(f"\nnot finished (left out): {', '.join(point['missing'])}")
     return "\n".join(lines) + "\n"
