@@ -81,6 +81,13 @@ CONTRACT = {
     "mxfp4_full_h16": _full(MX4, ("deterministic", 16)),
     "mxfp4_full_h32": _full(MX4, ("deterministic", 32)),
     "mxfp4_full_h16_wgrad_only": {**_full(MX4), "wgrad": (MX4, MX4, ("deterministic", 16))},
+    "mxfp4_wgrad": {**_FP8, "wgrad": (MX4, MX4, None)},
+    "mxfp4_full_h16_fprop": {**_full(MX4), "fprop": (MX4, MX4, ("deterministic", 16))},
+    "mxfp4_full_h16_fprop_dgrad": {
+        **_full(MX4),
+        "fprop": (MX4, MX4, ("deterministic", 16)),
+        "dgrad": (MX4, MX4, ("deterministic", 16)),
+    },
     # The literature's recipes (checked bit for bit below, with their pre-scales and signs).
     "mxfp4_tseng": {
         "fprop": (MX4, MX4, None),
@@ -336,7 +343,10 @@ def test_gemm_view_reads_contraction_first_operands_in_place(case):
         np.testing.assert_array_equal(quantized_dot.from_bcf(view, layout), x)
 
 
-@pytest.mark.parametrize("name", ["mxfp4_full_h16", "mxfp4_full_h16_wgrad_only"])
+@pytest.mark.parametrize(
+    "name",
+    ["mxfp4_full_h16", "mxfp4_full_h16_wgrad_only", "mxfp4_full_h16_fprop", "mxfp4_full_h16_fprop_dgrad"],
+)
 def test_rotated_exact_ties_round_half_even(name):
     # Coarse inputs (multiples of 1/4, 1/32) rotate exactly with H16 (entries +-1/4): many exact ties after
     # rotation, which nearest_even and nearest_away resolve differently.

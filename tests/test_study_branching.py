@@ -345,6 +345,13 @@ def test_progress_counts_what_is_left_and_the_report_writes_it(branch_plan, tmp_
         (('trunk_arm = "a"', 'trunk_arm = "c"'), "trunk_arm is one of the arms"),
         (('trunk_arm = "a"\n', ""), "missing keys ['trunk_arm']"),
         (('design = "branch"', 'design = "scratch_paired"\nsteps = 4'), "unknown keys ['branch_length'"),
+        (
+            ("seeds = [0, 1]", "seeds = [0, 1]\narm_branch_steps = { c = [4] }"),
+            "names 'c', not one of the arms",
+        ),
+        (("seeds = [0, 1]", "seeds = [0, 1]\narm_branch_steps = { a = [4] }"), "other than the baseline"),
+        (("seeds = [0, 1]", "seeds = [0, 1]\narm_branch_steps = { b = [3] }"), "subset of branch_steps"),
+        (("seeds = [0, 1]", "seeds = [0, 1]\narm_branch_steps = { b = [] }"), "subset of branch_steps"),
     ],
 )
 def test_bad_branch_stages_are_one_line_errors(tmp_path, edit, message):
@@ -379,6 +386,38 @@ def test_the_example_plan_loads_and_its_trunk_keeps_the_branch_points(monkeypatc
     late = next(s for s in specs if s.label == "full_h16/at600/seed2")
     branch = runner.load_config(stage.config, late.config_args([]))
     assert (branch.steps, branch.recipe, branch.seed) == (850, "mxfp4_full_h16", 2)
+
+
+def test_an_arm_branched_at_some_points_only(tmp_path):
+    """arm_branch_steps: `b` branches from step 4 only; every other arm from every branch step."""
+    path = tmp_path / "late.toml"
+    path.write_text(BRANCH_PLAN.replace("seeds = [0, 1]", "seeds = [0, 1]\narm_branch_steps = { b = [4] }"))
+    stage = plan.load_plan(str(path)).stages[0]
+    labels = [s.label for s in plan.stage_specs(stage)]
+    assert labels == [
+        "trunk/seed0", "trunk/seed1",
+        "a/at2/seed0", "a/at4/seed0", "b/at4/seed0", "a/at2/seed1", "a/at4/seed1", "b/at4/seed1",
+    ]  # fmt: skip
+    assert branching.steps_of(stage, "b") == (4,) and branching.steps_of(stage, "a") == (2, 4)
+
+
+def test_the_decomposition_arms_branch_from_the_late_point_only(monkeypatch):
+    """proxy125m's stage `branching` (study_plan.md, amendment "H16's channel"): ten arms at 250 and 600,
+    the three decomposition arms at 600 only, each with the preset the amendment names."""
+    monkeypatch.chdir(ROOT)
+    stage = plan.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")).stage(
+        "branching"
+    )
+    specs = plan.stage_specs(stage)
+    assert len(specs) == 3 + 10 * 2 * 3 + 3 * 3
+    late = {
+        "wgrad": "mxfp4_wgrad",
+        "h16_fprop": "mxfp4_full_h16_fprop",
+        "h16_fprop_dgrad": "mxfp4_full_h16_fprop_dgrad",
+    }
+    assert {arm: stage.arms[arm] for arm in late} == late
+    assert all(branching.steps_of(stage, arm) == (600,) for arm in late)
+    assert not [s for s in specs if branching.arm_of(s) in late and s.at != 600]
 
 
 def test_the_350m_confirmation_plan_loads_and_plans_every_claims_contrast_but_c4(monkeypatch):

@@ -402,6 +402,13 @@ PRESETS: dict[str, Recipe] = {
     "mxfp4_full_h16": _recipe("mxfp4_full_h16", **_rotated(H16)),
     "mxfp4_full_h32": _recipe("mxfp4_full_h32", **_rotated(H32)),
     "mxfp4_full_h16_wgrad_only": _recipe("mxfp4_full_h16_wgrad_only", **{**_FULL, "wgrad": _mxfp4_gemm(H16)}),
+    # The decomposition arms (docs/study_plan.md, amendment "H16's channel"): Wgrad's quantization alone,
+    # and H16 on Fprop only / on Fprop and Dgrad, to locate through which GEMM the rotation recovers.
+    "mxfp4_wgrad": _recipe("mxfp4_wgrad", wgrad=_mxfp4_gemm()),
+    "mxfp4_full_h16_fprop": _recipe("mxfp4_full_h16_fprop", **{**_FULL, "fprop": _mxfp4_gemm(H16)}),
+    "mxfp4_full_h16_fprop_dgrad": _recipe(
+        "mxfp4_full_h16_fprop_dgrad", **{**_FULL, "fprop": _mxfp4_gemm(H16), "dgrad": _mxfp4_gemm(H16)}
+    ),
     "mxfp4_tseng": _recipe("mxfp4_tseng", **_TSENG),
     "mxfp4_nvidia": _recipe("mxfp4_nvidia", **_NVIDIA),
     "mxfp8": Recipe(

@@ -2,7 +2,9 @@
 
 Stage keys beside the common ones (fp4jax.study.plan): `trunk_arm` (the arm whose recipe trains the
 trunks, usually the baseline), `branch_steps` (the trunk steps to branch at, ascending, e.g. one early and
-one late), `branch_length` (updates per branch). `steps` is not set: the trunk trains to the last branch
+one late), `branch_length` (updates per branch), and optionally `arm_branch_steps` ({arm = [steps]}: an arm
+branched at only some of branch_steps, e.g. an arm added later at the late point only; every other arm
+branches at all of them). `steps` is not set: the trunk trains to the last branch
 step, saving and keeping a checkpoint at every branch step (config.keep_checkpoint_steps). `run_minutes`
 is one branch's expected wall time; the trunk's is taken as run_minutes x its updates / branch_length
 until runs measured it. A branch stage has no gate.
@@ -59,6 +61,7 @@ __all__ = [
 ]
 
 KEYS = {"trunk_arm", "branch_steps", "branch_length"}
+OPTIONAL_KEYS = {"arm_branch_steps"}
 TRUNK = "trunk"  # the trunks' directory under the stage root, so no arm may take the name
 REGENERATED = "regenerated"  # a trunk trained again for its checkpoints, inside the trunk's directory
 # What a regenerated trunk must repeat bit for bit, per training update the trunk logged.
@@ -117,7 +120,34 @@ def normalize(raw: dict, where: str) -> dict:
     arms = raw.get("arms") if isinstance(raw.get("arms"), dict) else {}
     if raw["trunk_arm"] not in arms or TRUNK in arms:
         raise ValueError(f"{where}: trunk_arm is one of the arms, and no arm is called {TRUNK!r}")
+    _check_arm_branch_steps(raw.get("arm_branch_steps", {}), arms, steps, raw["baseline"], where)
     return {**raw, "steps": steps[-1]}
+
+
+def _check_arm_branch_steps(table, arms: dict, steps: list[int], baseline: str, where: str) -> None:
+    """arm_branch_steps names arms of the stage (not the baseline, which every branch is paired with), each
+    with a non-empty ascending subset of branch_steps."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: arm_branch_steps is a table {{arm = [branch steps]}}")
+    for arm, subset in table.items():
+        if arm not in arms or arm == baseline:
+            raise ValueError(
+                f"{where}: arm_branch_steps names {arm!r}, not one of the arms other than the baseline"
+            )
+        if (
+            not isinstance(subset, list)
+            or not subset
+            or subset != sorted(set(subset))
+            or set(subset) - set(steps)
+        ):
+            raise ValueError(
+                f"{where}: arm_branch_steps.{arm} is an ascending, non-empty subset of branch_steps"
+            )
+
+
+def steps_of(stage, arm: str) -> tuple[int, ...]:
+    """The trunk steps `arm` branches at: its arm_branch_steps entry, else every branch step."""
+    return tuple(stage.arm_branch_steps.get(arm, stage.branch_steps))
 
 
 def stage_specs(stage, common: list[str]) -> list[runner.RunSpec]:
@@ -132,7 +162,7 @@ def stage_specs(stage, common: list[str]) -> list[runner.RunSpec]:
     specs: list[runner.RunSpec] = runner.plan([trunk], list(stage.seeds), None)
     for seed in stage.seeds:
         for arm, recipe in stage.arms.items():
-            for at in stage.branch_steps:
+            for at in steps_of(stage, arm):
                 overrides = (*common, _set("recipe", recipe), _set("steps", at + stage.branch_length))
                 specs.append(BranchRun(runner.Rung(f"{arm}/at{at}", stage.config, overrides), seed, at=at))
     return specs

@@ -79,6 +79,13 @@ REPORTED: dict[str, dict[str, float]] = {
     "C9": {"nvidia": 1, "full": -1},
     "tseng - full_sr_prescale": {"tseng": 1, "full_sr_prescale": -1},
     "nvidia - full_rht": {"nvidia": 1, "full_rht": -1},
+    # The decomposition (docs/study_plan.md, amendment of 2026-12-05 "H16's channel"): Wgrad's MXFP4 cost
+    # with the other GEMMs in FP8, H16's whole recovery and the parts of it through each rotated GEMM.
+    "wgrad - fp8": {"wgrad": 1, "fp8": -1},
+    "full - full_h16": {"full": 1, "full_h16": -1},
+    "full - h16_fprop": {"full": 1, "h16_fprop": -1},
+    "full - h16_fprop_dgrad": {"full": 1, "h16_fprop_dgrad": -1},
+    "h16_fprop_dgrad - full_h16": {"h16_fprop_dgrad": 1, "full_h16": -1},
 }
 # Claim (a)'s rule (docs/study_plan.md) reads two sums of its contrasts: the ordering C1 > C2 + C3, as one
 # contrast C1 - C2 - C3 = full - 2 fprop_dgrad + fp8, and the Fprop and Dgrad GEMMs' joint share

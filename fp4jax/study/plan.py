@@ -64,26 +64,32 @@ __all__ = [
 ]
 
 DESIGNS = ("scratch_paired", "branch")  # branch: fp4jax.study.branching
-STAGE_KEYS = {
-    "name",
-    "design",
-    "config",
-    "arms",
-    "baseline",
-    "seeds",
-    "steps",
-    "warmup_steps",
-    "peak_lr",
-    "backend",
-    "run_minutes",
-    "overrides",
-    "requires",
-    "gate",
-    "count_spikes",
-    "lr_reference",
-} | branching.KEYS
+STAGE_KEYS = (
+    {
+        "name",
+        "design",
+        "config",
+        "arms",
+        "baseline",
+        "seeds",
+        "steps",
+        "warmup_steps",
+        "peak_lr",
+        "backend",
+        "run_minutes",
+        "overrides",
+        "requires",
+        "gate",
+        "count_spikes",
+        "lr_reference",
+    }
+    | branching.KEYS
+    | branching.OPTIONAL_KEYS
+)
 SCRATCH_KEYS = {"count_spikes", "lr_reference"}  # a scratch_paired stage's only
-REQUIRED_KEYS = STAGE_KEYS - {"overrides", "requires", "gate"} - SCRATCH_KEYS - branching.KEYS
+REQUIRED_KEYS = (
+    STAGE_KEYS - {"overrides", "requires", "gate"} - SCRATCH_KEYS - branching.KEYS - branching.OPTIONAL_KEYS
+)
 GATE_KEYS = {"arm", "against", "last_evals", "smallest_overhead", "sigmas"}
 SPIKE_KEYS = ("spike_nats", "window")  # count_spikes's: stats.loss_spikes's rule
 # What a stage shares with its lr_reference (the same runs but for the peak LR and the overrides).
@@ -119,6 +125,7 @@ class Stage:
     trunk_arm: str | None = None  # the branch design's keys (fp4jax.study.branching)
     branch_steps: tuple[int, ...] = ()
     branch_length: int = 0
+    arm_branch_steps: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +168,7 @@ def load_plan(path: str) -> Plan:
 def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
     branch = raw.get("design") == "branch"
     required = REQUIRED_KEYS - {"steps"} | branching.KEYS if branch else REQUIRED_KEYS
-    known = STAGE_KEYS - SCRATCH_KEYS if branch else STAGE_KEYS - branching.KEYS
+    known = STAGE_KEYS - SCRATCH_KEYS if branch else STAGE_KEYS - branching.KEYS - branching.OPTIONAL_KEYS
     unknown, missing = set(raw) - known, required - set(raw)
     if unknown or missing:
         what = f"unknown keys {sorted(unknown)}" if unknown else f"missing keys {sorted(missing)}"
@@ -206,6 +213,7 @@ def _stage(raw: dict, where: str, earlier: list[str]) -> Stage:
         lr_reference=raw.get("lr_reference"),
         **({"trunk_arm": raw["trunk_arm"], "branch_steps": tuple(raw["branch_steps"])} if branch else {}),
         **({"branch_length": int(raw["branch_length"])} if branch else {}),
+        arm_branch_steps={arm: tuple(at) for arm, at in raw.get("arm_branch_steps", {}).items()},
     )
 
 
