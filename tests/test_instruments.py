@@ -1,6 +1,7 @@
 """The mechanism instruments (fp4jax.study.instruments): planted errors through the same code the command
 line runs, the update metrics on hand-computable AdamW steps, and the command on the tiny trained run."""
 
+import dataclasses
 import json
 import math
 import os
@@ -178,6 +179,84 @@ def test_noise_ratio_against_a_numpy_reference(tiny_model):
     np.testing.assert_allclose(metrics["grad_norm"], math.sqrt(np.mean([np.sum(x**2) for x in g])), rtol=1e-5)
 
 
+def test_sqrt3_ratio_of_a_planted_error_is_chmiels_formula(tiny_model):
+    """e_k = b: sqrt3_ratio = sqrt(sum_k ||g_k||^2 / (3 K ||b||^2)) per group, the gradients and the
+    norms taken here in float64; b scaled so the whole model sits near the threshold (ratio ~ 1)."""
+    _, params, batches, grad = tiny_model
+    flat = lambda tree: np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])  # noqa: E731
+    g = [flat(grad(params, b)) for b in batches]
+    grad_ms = np.mean([np.sum(x**2) for x in g])
+    unit = normal_like(params, jax.random.key(6))
+    bias = jax.tree.map(lambda x: x * math.sqrt(grad_ms / 3) / np.linalg.norm(flat(unit)), unit)
+    result = ins.measure(
+        planted(grad, batches, lambda k: bias), identity_update, params, None, batches, ["dgrad"]
+    )
+    expected = math.sqrt(grad_ms / (3 * np.sum(flat(bias) ** 2)))
+    np.testing.assert_allclose(result["dgrad"]["gradient"][ins.ALL]["sqrt3_ratio"], expected, rtol=1e-4)
+    np.testing.assert_allclose(expected, 1.0, rtol=1e-6)
+    for group, metrics in result["dgrad"]["gradient"].items():
+        ratio = metrics["grad_norm"] / (math.sqrt(3) * metrics["err_norm"])
+        np.testing.assert_allclose(metrics["sqrt3_ratio"], ratio, rtol=1e-6, err_msg=group)
+
+
+def test_micro_batches_are_grouped_disjointly_in_order():
+    micro = [object() for _ in range(12)]
+    groups = ins.group_micro_batches(micro, 4, 3)
+    assert [len(grp) for grp in groups] == [3] * 4
+    assert [m for grp in groups for m in grp] == micro  # each used once, group k = windows 3k .. 3k + 2
+    with pytest.raises(ValueError, match="11 micro-batches for 4 batches x 3 accumulated"):
+        ins.group_micro_batches(micro[:11], 4, 3)
+    with pytest.raises(ValueError, match="--accumulate 0: give an integer >= 1"):
+        ins.group_micro_batches(micro, 4, 0)
+
+
+def test_accumulating_a_micro_batches_is_one_batch_a_times_larger(tiny_model):
+    """The mean gradient over A = 2 micro-batches of 2 sequences is the gradient of the mean loss over the
+    4 sequences concatenated (equal token counts), and every instrument reads the same through both."""
+    cfg, params, _, _ = tiny_model
+    # float32 activations: the tiny model's bf16 activations round the two paths' gradients apart (~1 %)
+    grad = ins.loss_grad_fn(dataclasses.replace(cfg, dtype="float32"), get_recipe("bf16"))
+    rng = np.random.default_rng(7)
+    micro = []
+    for _ in range(2 * K):
+        t = rng.integers(0, 256, (2, 17), dtype=np.int32)
+        micro.append({"inputs": jnp.asarray(t[:, :-1]), "targets": jnp.asarray(t[:, 1:])})
+    groups = ins.group_micro_batches(micro, K, 2)
+    large = [{key: jnp.concatenate([m[key] for m in grp]) for key in grp[0]} for grp in groups]
+    mean_grad = ins.accumulated(lambda stage, p, b: grad(p, b))
+    for grp, big in zip(groups, large, strict=True):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+            mean_grad(None, params, grp),
+            grad(params, big),
+        )
+    bias = normal_like(params, jax.random.key(8), 1e-3)
+    accumulated = ins.measure(
+        ins.accumulated(planted(grad, micro, lambda k: bias)),
+        identity_update,
+        params,
+        None,
+        groups,
+        ["fprop"],
+    )
+    direct = ins.measure(
+        planted(grad, large, lambda k: bias), identity_update, params, None, large, ["fprop"]
+    )
+    for part in ("gradient", "update"):
+        for group, metrics in direct["fprop"][part].items():
+            for name, value in metrics.items():
+                got = accumulated["fprop"][part][group][name]
+                np.testing.assert_allclose(got, value, rtol=1e-3, err_msg=f"{part} {group} {name}")
+
+
+def test_the_command_parses_accumulate():
+    from fp4jax.study.__main__ import build_parser
+
+    args = build_parser().parse_args(["instruments", "--run", "R", "--out", "O", "--accumulate", "8"])
+    assert args.accumulate == 8
+    assert build_parser().parse_args(["instruments", "--run", "R", "--out", "O"]).accumulate == 1
+
+
 def test_an_odd_number_of_batches_is_refused(tiny_model):
     _, params, batches, grad = tiny_model
     with pytest.raises(ValueError, match="even number >= 2 of batches, got 3"):
@@ -263,17 +342,19 @@ def test_update_error_from_a_saved_optimizer_state_matches_numpy():
 def test_command_on_the_tiny_run(good_run, tmp_path, capsys):
     out = tmp_path / "instruments"
     argv = ["instruments", "--run", str(good_run), "--out", str(out), "--batches", "2", "--batch", "2"]
-    assert main(argv) == 0
+    assert main([*argv, "--accumulate", "2"]) == 0
     printed = capsys.readouterr().out
     assert "noise_ratio" in printed and "wgrad" in printed
     result = json.loads((out / "instruments.json").read_text())
     assert list(result["steps"]) == ["2", "4", "6"] and result["stages"] == list(ins.STAGES)
+    assert result["accumulate"] == 2 and result["tokens_per_step"] == 2 * 2 * result["seq_len"]
     for step in result["steps"].values():
         for stage in ins.STAGES:
             g, u = step[stage]["gradient"], step[stage]["update"]
             assert set(g) == set(u) >= {*llama_kinds(), ins.ALL}
             assert 0 < g[ins.ALL]["noise_ratio"] < math.inf and 0 <= g[ins.ALL]["coherence"] <= math.sqrt(2)
             assert -1 <= u[ins.ALL]["cos"] <= 1 and 0 <= u[ins.ALL]["sign_agree"] <= 1
+            assert 0 < g[ins.ALL]["sqrt3_ratio"] < math.inf
     # the same params and batches at each step for the bf16 shadow: its gradient differs between steps
     norms = [result["steps"][s]["wgrad"]["gradient"][ins.ALL]["grad_norm"] for s in ("2", "4", "6")]
     assert len(set(norms)) == 3

@@ -171,6 +171,7 @@ def cmd_instruments(args) -> None:
         steps=args.steps,
         stages=[s for s in args.stages.split(",") if s],
         n_batches=args.batches,
+        accumulate=args.accumulate,
         batch=args.batch,
         seq_len=args.seq_len,
         data=args.data,
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins_p.add_argument("--out", required=True, help="directory for instruments.json/.txt/_<stage>.png")
     ins_p.add_argument("--stages", default="fprop,dgrad,wgrad", help="GEMM stages, one in MXFP4 at a time")
     ins_p.add_argument("--batches", type=int, default=4, help="K disjoint batches (even)")
+    ins_p.add_argument("--accumulate", type=int, default=1, help="micro-batches averaged per batch (A)")
     ins_p.add_argument("--batch", type=int, default=None, help="sequences per batch (default: global_batch)")
     ins_p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
     ins_p.add_argument("--data", default="config", help="config, bundled or synthetic (as fp4jax.diagnose)")

@@ -21,6 +21,16 @@ g(b) the bf16 gradient of the mean next-token loss, g_q(b) the stage's, and e_k 
                 rel_err = sqrt(sum ||u_q - u||^2 / sum ||u||^2), cos = sum <u_q, u> / sqrt(sum ||u_q||^2
                 sum ||u||^2), sign_agree = fraction of elements with sign(u_q) = sign(u) (0 counts as a
                 sign).
+  sqrt3_ratio   sqrt(sum_k ||g(b_k)||^2 / (3 sum_k ||e_k||^2)): Chmiel et al.'s criterion (B. Chmiel, M.
+                Fishman, R. Banner, D. Soudry, "FP4 All the Way: Fully Quantized Training of LLMs", 2025,
+                arXiv:2505.19115): quantized training stops helping once the gradient norm falls below about
+                sqrt(3) times the quantization noise's norm (sigma_q sqrt(d) for d elements of per-element
+                standard deviation sigma_q, which is ||e|| for zero-mean noise). Below 1: past the threshold.
+
+Tokens per step: with `accumulate` A, each b_k is the mean gradient over A disjoint micro-batches of
+`batch` sequences (gradient accumulation, no training step), so every figure above (the minibatch-noise
+denominator, coherence, update error, sqrt3_ratio) is at A x batch x seq_len tokens per step without more
+memory. A call reads K x A x batch sequences, each used once (micro-batch j of b_k is window k A + j).
 
 Each figure is given per parameter group (`param_group`: the layer kinds q, k, v, o, gate, up, down over
 all blocks, then embed, lm_head, norm) and for the whole model ("all"). The math is small pure functions
@@ -58,8 +68,10 @@ __all__ = [
     "PANELS",
     "STAGES",
     "abstract_state",
+    "accumulated",
     "coherence",
     "gradient_metrics",
+    "group_micro_batches",
     "leaf_groups",
     "load_state",
     "loss_grad_fn",
@@ -165,11 +177,11 @@ def coherence(sum_sq, sq_sum) -> float:
 
 
 def gradient_metrics(sums: dict, k: int) -> dict:
-    """{group: {noise_ratio, coherence, err_norm, noise_norm, grad_norm, grad_coherence}} from per-group
-    sums over K batches (K/2 pairs), each {group: scalar}: err_sq = sum_k ||e_k||^2, err_sum_sq =
-    ||sum_k e_k||^2, noise_sq = sum over pairs of ||g(A) - g(B)||^2, grad_sq = sum_k ||g(b_k)||^2,
-    grad_sum_sq = ||sum_k g(b_k)||^2 (module doc). Norms are root mean squares over batches (pairs for
-    noise_norm)."""
+    """{group: {noise_ratio, coherence, err_norm, noise_norm, grad_norm, grad_coherence, sqrt3_ratio}}
+    from per-group sums over K batches (K/2 pairs), each {group: scalar}: err_sq = sum_k ||e_k||^2,
+    err_sum_sq = ||sum_k e_k||^2, noise_sq = sum over pairs of ||g(A) - g(B)||^2,
+    grad_sq = sum_k ||g(b_k)||^2, grad_sum_sq = ||sum_k g(b_k)||^2 (module doc). Norms are root mean squares
+    over batches (pairs for noise_norm)."""
     out = {}
     for group, err_sq in sums["err_sq"].items():
         err_ms, noise_ms = float(err_sq) / k, float(sums["noise_sq"][group]) / (k // 2)
@@ -180,6 +192,7 @@ def gradient_metrics(sums: dict, k: int) -> dict:
             "noise_norm": math.sqrt(noise_ms),
             "grad_norm": math.sqrt(float(sums["grad_sq"][group]) / k),
             "grad_coherence": coherence(sums["grad_sum_sq"][group], sums["grad_sq"][group]),
+            "sqrt3_ratio": math.sqrt(_div(sums["grad_sq"][group], 3.0 * float(err_sq))),
         }
     return out
 
@@ -245,6 +258,28 @@ def measure(grad_fn: Callable, update: Callable, params, opt_state, batches: Seq
             "update": update_metrics(jax.device_get(upd[stage])),
         }
     return out
+
+
+def accumulated(grad_fn: Callable) -> Callable:
+    """grad_fn over a group of micro-batches: (stage, params, micro_batches) -> the mean of grad_fn's
+    gradients over them (gradient accumulation: one gradient-sized running sum, never a larger batch)."""
+
+    def mean_grad(stage, params, micro_batches):
+        total = None
+        for micro in micro_batches:
+            total = _add(total, grad_fn(stage, params, micro))
+        return jax.tree.map(lambda x: x / len(micro_batches), total)
+
+    return mean_grad
+
+
+def group_micro_batches(micro_batches: Sequence, k: int, accumulate: int) -> list[tuple]:
+    """K groups of `accumulate` micro-batches, group k = micro-batches k A .. k A + A - 1: each used once."""
+    if accumulate < 1:
+        raise ValueError(f"--accumulate {accumulate}: give an integer >= 1")
+    if len(micro_batches) != k * accumulate:
+        raise ValueError(f"{len(micro_batches)} micro-batches for {k} batches x {accumulate} accumulated")
+    return [tuple(micro_batches[i * accumulate : (i + 1) * accumulate]) for i in range(k)]
 
 
 def loss_grad_fn(model_cfg, recipe: Recipe) -> Callable:
@@ -318,6 +353,7 @@ def run_instruments(
     steps: Sequence[int] | None = None,
     stages: Sequence[str] = STAGES,
     n_batches: int = 4,
+    accumulate: int = 1,
     batch: int | None = None,
     seq_len: int | None = None,
     data: str = "config",
@@ -325,9 +361,10 @@ def run_instruments(
 ) -> dict:
     """Every stage's instruments on each checkpoint `steps` (default: all) of a run; the JSON document.
 
-    Batches: the first n_batches x batch windows of the run's validation stream (`data` as in
-    python -m fp4jax.diagnose), the same at every step; batch default: the run's global batch (the
-    minibatch noise of one update), seq_len default: the run's.
+    Batches: the first n_batches x accumulate x batch sequences of the run's validation stream (`data` as
+    in python -m fp4jax.diagnose), the same at every step, in n_batches disjoint groups of `accumulate`
+    micro-batches (tokens per step: accumulate x batch x seq_len); batch default: the run's global batch
+    (the minibatch noise of one update), seq_len default: the run's.
     """
     if not stages or len(set(stages)) < len(stages):
         raise ValueError(f"--stages {','.join(stages)!r}: give distinct ones of {', '.join(STAGES)}")
@@ -338,8 +375,8 @@ def run_instruments(
     steps = verified_steps(run_dir, steps)
     config = run_config(run_dir, steps[-1])
     batch, seq_len = batch or config.global_batch, seq_len or config.seq_len
-    if min(n_batches, batch, seq_len) < 1:
-        raise ValueError("--batches, --batch and --seq-len must be >= 1")
+    if min(n_batches, accumulate, batch, seq_len) < 1:
+        raise ValueError("--batches, --accumulate, --batch and --seq-len must be >= 1")
     tokenizer = setup.load_tokenizer(config.data.tokenizer)  # the trainer's lookup (tests replace it)
     model_cfg = setup.model_config(config, padded_vocab_size(tokenizer.vocab_size))
     model_cfg = dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, seq_len))
@@ -348,31 +385,33 @@ def run_instruments(
         config,
         tokenizer,
         data,
-        n=n_batches,
+        n=n_batches * accumulate,
         batch=batch,
         seq_len=seq_len,
         vocab=model_cfg.vocab_size,
         seed=config.seed,
     )
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in batches]
+    batches = group_micro_batches(batches, n_batches, accumulate)
     recipes = {None: "bf16", **{s: stage_recipe(s) for s in stages}}
     grads = {s: loss_grad_fn(model_cfg, resolve_execution(r)[0]) for s, r in recipes.items()}
+    mean_grad = accumulated(lambda s, p, b: grads[s](p, b))
     update = update_fn(tx)
     abstract = abstract_state(config, model_cfg, tx)
     results = {}
     for step in steps:
         params, opt_state = load_state(run_dir, step, abstract)
-        results[str(step)] = measure(
-            lambda s, p, b: grads[s](p, b), update, params, opt_state, batches, stages
-        )
+        results[str(step)] = measure(mean_grad, update, params, opt_state, batches, stages)
         log(f"step {step}: " + "; ".join(f"{s} {_summary(results[str(step)][s])}" for s in stages))
     return {
         "run": run_dir,
         "recipe": config.recipe,
         "stages": list(stages),
         "batches": n_batches,
+        "accumulate": accumulate,
         "batch": batch,
         "seq_len": seq_len,
+        "tokens_per_step": accumulate * batch * seq_len,
         "data": data,
         "coherence_bias": math.sqrt(n_batches),
         "steps": results,
@@ -388,6 +427,7 @@ def _summary(stage_result: dict) -> str:
 _COLUMNS = (
     ("noise_ratio", "gradient", "noise_ratio", "12.3e"),
     ("coherence", "gradient", "coherence", "10.3f"),
+    ("sqrt3_ratio", "gradient", "sqrt3_ratio", "12.3e"),
     ("upd_rel_err", "update", "rel_err", "12.3e"),
     ("upd_cos", "update", "cos", "8.4f"),
     ("sign", "update", "sign_agree", "7.4f"),
@@ -454,7 +494,8 @@ def plot(result: dict, stage: str, path: str) -> None:
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(
         f"{stage} only in MXFP4 (others bf16); "
-        f"{result['batches']} batches of {result['batch']} x {result['seq_len']} tokens"
+        f"{result['batches']} batches of {result['accumulate']} x {result['batch']} x {result['seq_len']}"
+        " tokens"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
