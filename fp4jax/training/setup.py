@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import shutil
 import tempfile
 
 import jax
@@ -59,8 +60,10 @@ __all__ = [
     "jit_steps",
     "make_run_mesh",
     "model_config",
+    "new_directory",
     "prepare_workdir",
     "quant_key",
+    "remove_new_directory",
     "resolve_config",
     "resolve_run_execution",
     "total_steps",
@@ -193,6 +196,25 @@ def prepare_workdir(workdir: str) -> str:
             f"workdir {path} cannot be created or written ({reason}); pass a writable --workdir"
         ) from exc
     return path
+
+
+def new_directory(workdir: str) -> str | None:
+    """The top-most directory that prepare_workdir(workdir) would create (workdir or one of its parents),
+    or None when workdir exists: what `remove_new_directory` takes away after a failed start."""
+    path, missing = os.path.abspath(workdir), None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_new_directory(new: str | None) -> None:
+    """Removes `new` (from new_directory, before the start) with whatever the failed start put in it, so a
+    run that never started leaves no workdir behind; a workdir that existed (new None) stays as it was."""
+    if new is not None:
+        shutil.rmtree(new, ignore_errors=True)
 
 
 def make_run_mesh(config):

@@ -59,7 +59,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains until the eval target, the step/token budget, a divergence or a stop signal; returns the
     summary (also <workdir>/summary.json). A finished run is left untouched and its summary returned.
 
-    Bad input raises a UserError or DataError with a one-line message before anything is compiled.
+    Bad input raises a UserError or DataError with a one-line message before anything is compiled. A run
+    that fails before its first update leaves no directory it created (a workdir that existed stays).
     """
     config = setup.resolve_config(config)
     last_step = setup.total_steps(config)
@@ -70,13 +71,21 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             f"is {summaries.summary_path(workdir)}; raise --config.steps to train further"
         )
         return done
-    workdir = setup.prepare_workdir(workdir)
-    mesh = setup.make_run_mesh(config)
-    setup.check_init_checkpoint(config)
-    branch.check_config(config, workdir)
-    with sharding_context(mesh), distributed.lost_process_reported():
-        run = build_run(config, workdir, mesh, last_step)
-        return run_loop(run)
+    new_directory = setup.new_directory(workdir)  # removed again if the run fails to start
+    started = False
+    try:
+        workdir = setup.prepare_workdir(workdir)
+        mesh = setup.make_run_mesh(config)
+        setup.check_init_checkpoint(config)
+        branch.check_config(config, workdir)
+        with sharding_context(mesh), distributed.lost_process_reported():
+            run = build_run(config, workdir, mesh, last_step)
+            started = True
+            return run_loop(run)
+    except BaseException:
+        if not started:
+            setup.remove_new_directory(new_directory)
+        raise
 
 
 def build_run(config, workdir: str, mesh, last_step: int) -> Run:
