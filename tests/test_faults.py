@@ -350,7 +350,8 @@ def test_finished_run_started_again_changes_nothing(run_copy, token_cache, capsy
     before = snapshot()
     summary = trainer.train(tiny_config(token_cache), str(run_copy))
     err = capsys.readouterr().err
-    assert "is finished (not_reached after 6 updates)" in err and str(run_copy / "summary.json") in err
+    finished = f"the run in {run_copy} is finished: it did not reach eval loss 2.0 in its 6 updates; "
+    assert finished + f"its summary is {run_copy / 'summary.json'}; raise --config.steps" in err, err
     assert snapshot() == before  # no summary rewrite, no new TensorBoard event file, no checkpoint
     assert summary == json.loads((run_copy / "summary.json").read_text())
     assert read_metrics(str(run_copy))[-1]["step"] == 6

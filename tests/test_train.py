@@ -26,6 +26,7 @@ from fp4jax.models.sharding import MESH_AXES, make_mesh, sharding_context
 from fp4jax.ops import get_recipe
 from fp4jax.train import train
 from fp4jax.training import checkpoint, metrics, setup
+from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard
 from fp4jax.training.metrics import read_metrics
 from fp4jax.training.optimizer import lr_schedule, make_optimizer, mlperf_lr
@@ -150,24 +151,52 @@ def test_run_lowers_loss_resumes_bit_identically_and_summarises(tmp_path, token_
     assert all(("peak_memory_gb" in r) == reports_memory for r in records if "tokens_per_s" in r)
 
 
-def test_target_reached_status_and_stop(tmp_path, token_cache, monkeypatch):
+def test_target_reached_status_and_stop(tmp_path, token_cache, monkeypatch, capsys):
     """Also: each update is timed over exactly one wait for its results, the last one (fetched with no
     update behind it) included. The step timer's clock moves only inside jax.device_get, by 1 s, so any
-    other span would show as a time other than 1 (no wall clock: the CI machine's load cannot matter)."""
+    other span would show as a time other than 1 (no wall clock: the CI machine's load cannot matter).
+    The evaluation is said as it happens (before the checkpoint after it), and the finished run started
+    again says when it reached its target."""
     clock, device_get = [0.0], jax.device_get
 
     def waiting_device_get(x):
         clock[0] += 1.0
         return device_get(x)
 
+    said_before_save, save = {}, checkpoint.save
+
+    def save_after_reading_stderr(manager, step, *args, **kwargs):
+        said_before_save[step] = capsys.readouterr().err
+        return save(manager, step, *args, **kwargs)
+
     monkeypatch.setattr(jax, "device_get", waiting_device_get)
     monkeypatch.setattr(metrics, "StepTimer", functools.partial(metrics.StepTimer, clock=lambda: clock[0]))
-    summary = train(tiny_config(token_cache, target_eval_loss=99.0, stop_at_target=True), str(tmp_path))
+    monkeypatch.setattr(checkpoint, "save", save_after_reading_stderr)
+    config = tiny_config(token_cache, target_eval_loss=99.0, stop_at_target=True)
+    summary = train(config, str(tmp_path))
     assert summary["status"] == "reached" and summary["steps"] == summary["steps_to_target"] == 4
     assert summary["tokens_to_target"] == 4 * 8 * 32
     assert checkpoint.make_manager(str(tmp_path), keep=3).all_steps()[-1] == 4
     times = [r["step_time_s"] for r in read_metrics(str(tmp_path)) if "step_time_s" in r]
     assert times == [1.0] * 4
+    eval_loss = summary["evals"][0][-1]
+    assert "eval loss" not in said_before_save[2]
+    assert f"update 4: eval loss {eval_loss:.4f} (8 sequences); target 99.0 reached\n" in said_before_save[4]
+
+    assert train(config, str(tmp_path)) == summary
+    assert (
+        f"the run in {tmp_path} is finished: it reached eval loss 99.0 at update 4, where it stopped; its "
+        f"summary is {tmp_path / 'summary.json'}; set --config.stop_at_target=false to train further"
+    ) in capsys.readouterr().err
+
+
+def test_a_finished_run_says_when_it_reached_the_target_and_when_it_stopped():
+    summary = {"status": "reached", "steps": 300, "steps_to_target": 200, "target_eval_loss": 3.3}
+    config = tiny_config("unused", stop_at_target=False)
+    assert summaries.finished_line("runs/a", summary, config) == (
+        "the run in runs/a is finished: it reached eval loss 3.3 at update 200 and stopped after update 300; "
+        "its summary is runs/a/summary.json; raise --config.steps to train further"
+    )
 
 
 # ------------------------------------------------------------------------------ divergence and timing

@@ -66,10 +66,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     last_step = setup.total_steps(config)
     done = summaries.finished_summary(workdir, config, last_step)
     if done is not None:
-        summaries.say(
-            f"the run in {workdir} is finished ({done['status']} after {done['steps']} updates); its summary "
-            f"is {summaries.summary_path(workdir)}; raise --config.steps to train further"
-        )
+        summaries.say(summaries.finished_line(workdir, done, config))
         return done
     new_directory = setup.new_directory(workdir)  # removed again if the run fails to start
     started = False
@@ -356,6 +353,9 @@ def _final_evaluate(run: Run, step: int, writer):
     )
     run.meta["final_eval"] = record
     writer.write(record)
+    summaries.say(
+        f"update {step}: final eval loss {eval_loss:.4f} ({record['final_eval_sequences']} sequences)"
+    )
 
 
 def _evaluate(run: Run, step: int, writer):
@@ -363,8 +363,12 @@ def _evaluate(run: Run, step: int, writer):
     eval_loss = evaluation.evaluate(run.eval_fn, run.state, run.eval_batches, run.quant_key)
     seqs, tokens = step * config.global_batch, step * config.global_batch * config.seq_len
     run.meta["evals"].append([step, seqs, tokens, eval_loss])
+    sequences = len(run.eval_batches) * config.eval_batch_size
+    line = f"update {step}: eval loss {eval_loss:.4f} ({sequences} sequences)"
     if eval_loss <= config.target_eval_loss and run.meta["target_step"] is None:
         run.meta["target_step"] = step
+        line += f"; target {config.target_eval_loss} reached"
+    summaries.say(line)
     writer.write(
         {
             "step": step,
