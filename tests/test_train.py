@@ -199,6 +199,24 @@ def test_a_finished_run_says_when_it_reached_the_target_and_when_it_stopped():
     )
 
 
+def test_the_gemm_back_end_is_said_once(token_cache, monkeypatch, capsys):
+    """The library says the back end `auto` resolves to once per process, the trainer says it with the
+    quantizer: a run shows one of the two lines."""
+    from fp4jax.ops.kernels import probes
+
+    class Tok:
+        name, vocab_size = "test", 256
+
+    monkeypatch.delenv(setup.GEMM_BACKEND_ENV, raising=False)
+    probes.auto_choice.cache_clear()  # as in a fresh process: auto not resolved yet
+    try:
+        setup.build_model(tiny_config(token_cache, recipe="mxfp4_full_h16"), Tok())
+    finally:
+        probes.auto_choice.cache_clear()
+    said = [line for line in capsys.readouterr().err.splitlines() if "GEMM back end" in line]
+    assert len(said) == 1 and said[0].startswith("GEMM back end emulate (auto: ") and "quantizer" in said[0]
+
+
 # ------------------------------------------------------------------------------ divergence and timing
 
 

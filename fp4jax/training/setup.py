@@ -8,6 +8,7 @@ re-raised as ConfigError at their call sites only, so a ValueError from a bug el
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -310,12 +311,36 @@ def build_model(config, tokenizer):
             f"model.vocab_size {model_cfg.vocab_size} is smaller than tokenizer {tokenizer.name}'s "
             f"{tokenizer.vocab_size}; leave model.vocab_size unset to derive it"
         )
-    recipe, execution = resolve_run_execution(config)  # here, not while the step is traced: a one-line error
+    with _library_backend_line_left_out():  # said once, below, with the quantizer
+        recipe, execution = resolve_run_execution(config)  # here, not while tracing: a one-line error
     say(
         f"GEMM back end {execution.backend} ({execution.backend_reason}); "
         f"quantizer {execution.quantizer}: {execution.quantizer_runs}"
     )
     return Llama(model_cfg, recipe=recipe), model_cfg
+
+
+class _NotTheBackendLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("GEMM back end")
+
+
+@contextlib.contextmanager
+def _library_backend_line_left_out():
+    """The library says "GEMM back end ..." when it first resolves `auto` in a process (at INFO, from a
+    logger of fp4jax.ops); the trainer says the same back end with its quantizer right after, so the
+    library's line is left out while the trainer resolves it. (A logger's filter sees only the records
+    of that logger, hence one per fp4jax.ops logger.)"""
+    names = [n for n in logging.Logger.manager.loggerDict if n == "fp4jax.ops" or n.startswith("fp4jax.ops.")]
+    loggers = [logging.getLogger(n) for n in names]
+    line_filter = _NotTheBackendLine()
+    for logger in loggers:
+        logger.addFilter(line_filter)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(line_filter)
 
 
 def build_model_and_optimizer(config):
