@@ -1,4 +1,5 @@
-"""The trainer: optimizer, sharded == unsharded step, loss falls, bit-identical resume, the run summary
+"""The trainer: optimizer, the update (grad_accum, global-norm clipping, stochastic rounding keys), sharded
+== unsharded step, loss falls, bit-identical resume, the run summary
 (training/summary.py), the divergence rule, step timing, the diagnostics probe and the profiler switch.
 
 Faults (bad checkpoints, signals, bad input, a full disk) are in test_faults.py. Tiny runs on the 8 fake
@@ -12,6 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh
 from long_lane import SLOW
@@ -60,8 +62,9 @@ def test_weight_decay_skips_norm_scales():
 # ------------------------------------------------------------------------------------ sharded step
 
 
-def _one_update(config, mesh, tokens):
-    """One update of `tokens` on `mesh`: its metrics, its change to every parameter, its shardings."""
+def _one_update(config, mesh, tokens, with_opt_state=False):
+    """One update of `tokens` on `mesh`: its metrics, its change to every parameter, its shardings (and
+    the optimizer state after it)."""
 
     class Tok:
         name, vocab_size = "test", 256
@@ -75,6 +78,8 @@ def _one_update(config, mesh, tokens):
         batch = setup.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
         state, step_metrics = train_fn(state, batch, jax.random.key(7))
     update = jax.tree.map(lambda new, old: new - old, jax.device_get(state.params), initial)
+    if with_opt_state:
+        return jax.device_get(step_metrics), update, shardings, state.opt_state
     return jax.device_get(step_metrics), update, shardings
 
 
@@ -82,6 +87,109 @@ def _update_differences(update, want) -> list[float]:
     """Per parameter: |update - want| / |want| (Frobenius norms)."""
     pairs = zip(jax.tree.leaves(update), jax.tree.leaves(want), strict=True)
     return [float(np.linalg.norm(u - w) / np.linalg.norm(w)) for u, w in pairs]
+
+
+def _tiny_float32(token_cache, **overrides):
+    """The tiny config on one device's worth of work: a 256-token vocabulary, float32 compute."""
+    config = tiny_config(token_cache, **overrides)
+    config.model.update(vocab_size=256, dtype="float32")
+    return config
+
+
+ONE_DEVICE = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
+
+
+def _adam_first_moment(opt_state) -> list[np.ndarray]:
+    """Adam's mu (its leaves) in an optimizer state of make_optimizer."""
+    (adam,) = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+    return [np.asarray(m) for m in jax.tree.leaves(jax.device_get(adam.mu))]
+
+
+def test_grad_accum_splits_the_batch_and_changes_no_update(token_cache):
+    """grad_accum=2 on a batch is grad_accum=1 on the same batch: the same loss, gradient norm and update,
+    up to float32 summation order (a gradient from only some micro-batches is far off: 1e-4 bounds)."""
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
+    runs = [
+        _one_update(_tiny_float32(token_cache, recipe="bf16", grad_accum=a), ONE_DEVICE, tokens)
+        for a in (1, 2)
+    ]
+    (whole, whole_update, _), (accumulated, accumulated_update, _) = runs
+    np.testing.assert_allclose(accumulated["loss"], whole["loss"], rtol=1e-6)
+    np.testing.assert_allclose(accumulated["grad_norm"], whole["grad_norm"], rtol=1e-5)
+    assert max(_update_differences(accumulated_update, whole_update)) < 1e-4
+
+
+def test_gradients_are_clipped_to_global_norm_1(token_cache):
+    """optimizer.clip_grad_norm = 1.0 (the default) scales the whole gradient by 1 / its global norm when
+    that is above 1: Adam's first moment after one update is (1 - b1) x the unclipped run's / grad_norm,
+    and its global norm (1 - b1) x 1.0. A batch whose every target is the same gives the tiny model a
+    first gradient of norm above 1.5 (a random one: 0.8), so the clipping matters."""
+    tokens = np.full((8, 33), 7, np.int32)  # every target the same: the gradients add up
+    moments = {}
+    for clip in (1.0, 0.0):
+        config = _tiny_float32(token_cache, recipe="bf16", **{"optimizer.clip_grad_norm": clip})
+        step_metrics, _, _, opt_state = _one_update(config, ONE_DEVICE, tokens, with_opt_state=True)
+        moments[clip] = _adam_first_moment(opt_state)
+    b1, grad_norm = config.optimizer.b1, float(step_metrics["grad_norm"])  # grad_norm: before clipping
+    assert tiny_config(token_cache).optimizer.clip_grad_norm == 1.0 and grad_norm > 1.5
+    norm = float(np.sqrt(sum(np.sum(np.square(m, dtype=np.float64)) for m in moments[1.0])))
+    assert norm == pytest.approx((1 - b1) * 1.0, rel=1e-5)
+    for clipped, unclipped in zip(moments[1.0], moments[0.0], strict=True):
+        np.testing.assert_allclose(clipped, unclipped / grad_norm, rtol=1e-5, atol=1e-12)
+
+
+def test_stochastic_rounding_keys_differ_per_step_and_layer_and_repeat_per_seed(token_cache, monkeypatch):
+    """Every quantized GEMM call of an update draws its own key (each layer of the scanned stack too),
+    the next update draws new ones, and the same seed draws the same ones again (training.state: the key
+    of update s is fold_in(quant_key, s); linen's make_rng folds in the module path and the layer)."""
+    from fp4jax.ops.flax_adapters import QuantDotGeneral
+
+    drawn, draw = [], QuantDotGeneral._key
+
+    def recorded_key(self, recipe):
+        key = draw(self, recipe)
+        if key is not None and not self.is_initializing():
+            jax.debug.callback(
+                lambda data: drawn.append(np.asarray(data).tobytes()), jax.random.key_data(key)
+            )
+        return key
+
+    monkeypatch.setattr(QuantDotGeneral, "_key", recorded_key)
+    config = _tiny_float32(token_cache, recipe="mxfp4_full_sr")
+    tokens = np.random.default_rng(2).integers(0, 256, (8, 33)).astype(np.int32)
+
+    class Tok:
+        name, vocab_size = "test", 256
+
+    with sharding_context(ONE_DEVICE):
+        model, _ = setup.build_model(config, Tok())
+        tx, schedule = make_optimizer(config.optimizer)
+        _, shardings = setup.init_train_state(model, tx, ONE_DEVICE, config.seed, config.seq_len)
+        train_fn, _ = setup.jit_steps(config, model, tx, schedule, ONE_DEVICE, shardings)
+        batch = setup.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, ONE_DEVICE)
+
+        def keys_of_updates(seed: int, updates: int) -> list[list[bytes]]:
+            state, _ = setup.init_train_state(model, tx, ONE_DEVICE, config.seed, config.seq_len)
+            per_update = []
+            for _ in range(updates):
+                state, step_metrics = train_fn(state, batch, setup.quant_key(seed))
+                jax.block_until_ready(step_metrics)
+                jax.effects_barrier()
+                per_update.append(list(drawn))
+                drawn.clear()
+            return per_update
+
+        first, second = keys_of_updates(seed=0, updates=2)
+        again = keys_of_updates(seed=0, updates=1)[0]
+        other_seed = keys_of_updates(seed=1, updates=1)[0]
+    layers = config.model.n_layers or 2  # the tiny size's
+    assert len(first) >= 2 * layers and len(set(first)) == len(first), "a key repeats within an update"
+    assert not set(first) & set(second), "update 2 drew update 1's keys"
+    assert sorted(again) == sorted(first) and not set(other_seed) & set(first)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU lane's fake ones)")
