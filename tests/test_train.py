@@ -1,6 +1,6 @@
-"""The trainer: optimizer, the update (grad_accum, global-norm clipping, stochastic rounding keys), sharded
-== unsharded step, loss falls, bit-identical resume, the run summary
-(training/summary.py), the divergence rule, step timing, the diagnostics probe and the profiler switch.
+"""The trainer: optimizer, the update (grad_accum, global-norm clipping, stochastic rounding keys),
+sharded == unsharded step, loss falls, bit-identical resume, the run summary (training/summary.py) and
+what a run says, the divergence rule, step timing, the diagnostics probe and the profiler switch.
 
 Faults (bad checkpoints, signals, bad input, a full disk) are in test_faults.py. Tiny runs on the 8 fake
 CPU devices of conftest.py (helpers: tiny_runs.py).
