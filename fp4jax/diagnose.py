@@ -1,4 +1,4 @@
-"""Per-GEMM quantization error of several recipes on the same batches through the same weights.
+r"""Per-GEMM quantization error of several recipes on the same batches through the same weights.
 
     python -m fp4jax.diagnose --config configs/llama125m_pg_h16.py [--checkpoint RUN_DIR] \
         --recipes bf16,fp8,mxfp4_full,mxfp4_full_sr,mxfp4_full_rht,mxfp4_full_h16 \
@@ -264,7 +264,10 @@ def _define_flags(fv, argv):
     )
     flags.DEFINE_string("checkpoint", None, "trainer run dir / checkpoints dir / step dir", flag_values=fv)
     flags.DEFINE_string(
-        "recipes", "bf16,fp8,mxfp4_full,mxfp4_full_sr,mxfp4_full_rht,mxfp4_full_h16", "", flag_values=fv
+        "recipes",
+        "bf16,fp8,mxfp4_full,mxfp4_full_sr,mxfp4_full_rht,mxfp4_full_h16",
+        'comma-separated recipe presets to measure (docs/numerics.md, "The GEMM recipe")',
+        flag_values=fv,
     )
     flags.DEFINE_integer("batches", 1, "batches to average over", flag_values=fv)
     flags.DEFINE_integer("batch", 1, "sequences per batch", flag_values=fv)

@@ -5,6 +5,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -97,6 +98,14 @@ def test_llama3_from_llama_models_package(monkeypatch):
         assert hashlib.sha256(f.read()).hexdigest() == LLAMA3_SHA256
     assert tok.encode("hello world") == [15339, 1917]
     assert (tok.vocab_size, tok.eod_id) == (128_256, 128_001)
+
+
+def test_llama3_not_found_says_the_command_lines_key(monkeypatch):
+    monkeypatch.delenv(LLAMA3_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "llama_models", None)  # not installed
+    with pytest.raises(DataError, match="Llama 3 tokenizer not found") as err:
+        load_tokenizer("llama3")
+    assert "--config.data.tokenizer=/path/to/tokenizer.model" in str(err.value)
 
 
 def test_missing_tokenizer_path():

@@ -286,3 +286,17 @@ def test_the_study_reads_the_gemm_names_the_probe_writes():
     recipe = get_recipe("mxfp4_fprop_dgrad")  # fprop and dgrad MXFP4, wgrad FP8: the order shows
     assert tuple(getattr(recipe, g) for g in diag.GEMMS) == recipe.gemms
     assert analysis.GEMMS == diag.GEMMS == ("fprop", "dgrad", "wgrad")
+
+
+def test_cli_help_shows_the_usage_lines_and_every_flags_help(capsys):
+    from fp4jax import diagnose
+
+    with pytest.raises(SystemExit) as stop:
+        diagnose.parse_flags(["diagnose", "--help"])
+    text = capsys.readouterr().out
+    assert stop.value.code == 0 and "no help available" not in text
+    assert (
+        "    python -m fp4jax.diagnose --config configs/llama125m_pg_h16.py [--checkpoint RUN_DIR] \\\n"
+        in text
+    )
+    assert "--recipes: comma-separated recipe presets" in text

@@ -292,6 +292,20 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(override, message, tmp_path,
     assert cli.main(argv) == 2
     err = error_lines(capsys)  # (a tokenizing progress bar may precede it)
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "run").exists()  # a failed start leaves no workdir behind
+
+
+def test_a_failed_start_removes_only_the_directories_it_created(tmp_path, capsys):
+    """The new parents of a new workdir go with it; a workdir that existed stays, with what it held."""
+    argv = ["fp4jax.train", "--config", os.path.join(ROOT, "configs", "tiny_c4_h16.py")]
+    argv += [f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.data.path=/no/such/dir"]
+    assert cli.main([*argv, "--workdir", str(tmp_path / "runs" / "new" / "run")]) == 2
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    assert cli.main([*argv, "--workdir", str(tmp_path / "kept")]) == 2
+    assert os.listdir(tmp_path / "kept") == ["notes.txt"]
+    assert len(error_lines(capsys)) == 2
 
 
 def test_native_gemms_that_cannot_compile_are_one_line_and_exit_2(tmp_path, failing_scaled_dot, capsys):
@@ -336,7 +350,8 @@ def test_finished_run_started_again_changes_nothing(run_copy, token_cache, capsy
     before = snapshot()
     summary = trainer.train(tiny_config(token_cache), str(run_copy))
     err = capsys.readouterr().err
-    assert "is finished (not_reached after 6 updates)" in err and str(run_copy / "summary.json") in err
+    finished = f"the run in {run_copy} is finished: it did not reach eval loss 2.0 in its 6 updates; "
+    assert finished + f"its summary is {run_copy / 'summary.json'}; raise --config.steps" in err, err
     assert snapshot() == before  # no summary rewrite, no new TensorBoard event file, no checkpoint
     assert summary == json.loads((run_copy / "summary.json").read_text())
     assert read_metrics(str(run_copy))[-1]["step"] == 6

@@ -179,3 +179,35 @@ def test_which_quantizer_the_gemms_use(supported, monkeypatch):
         )
         assert choose(mx) == want, setting
         assert choose(fp8) is None and choose(QuantSpec()) is None
+
+
+def test_the_prescales_are_undone_by_one_multiply_by_the_float32_reciprocal():
+    """mxfp4_tseng's backward GEMMs prescale both operands by 3/4: multiply_gemm_operands undoes 9/16 on
+    the float32 product as one multiply by float32(16/9), one rounding (docs/numerics.md; the bit-exact
+    literature tests of test_mx_dot.py build it so). A correctly rounded division by 9/16 differs from it
+    on about a tenth of these outputs, but XLA compiles a division by a constant into this very multiply
+    (and on a CPU any float32 division into a multiply by the reciprocal), so the bits here cannot tell the
+    two apart: the traced program is checked too, the product's one operation a multiply by float32(16/9).
+    """
+    gemm = get_recipe("mxfp4_tseng").dgrad
+    assert (gemm.lhs.prescale, gemm.rhs.prescale) == (0.75, 0.75)
+    rng = np.random.default_rng(0)
+    a, c = (jnp.asarray(rng.standard_normal((1, rows, 128)), jnp.float32) for rows in (64, 48))
+    qa, qc = quantized_dot.quantize_gemm_operands(
+        a, -1, c, -1, gemm, jax.random.key(1), (None, None), backend="emulate", quantizer="reference"
+    )
+    product = np.asarray(
+        backends.matmul(qa, qc, backend="emulate", precision=jax.lax.Precision.HIGHEST, out_dtype=jnp.float32)
+    )
+    reciprocal = np.float32(16 / 9)
+    assert (product * reciprocal != product / np.float32(9 / 16)).mean() > 0.05  # where a divide would differ
+
+    def undone(qa, qc):
+        return quantized_dot.multiply_gemm_operands(qa, qc, gemm, backend="emulate")
+
+    np.testing.assert_array_equal(np.asarray(undone(qa, qc)), product * reciprocal)
+    eqns = jax.make_jaxpr(undone)(qa, qc).jaxpr.eqns
+    last_dot = max(i for i, e in enumerate(eqns) if e.primitive.name == "dot_general")
+    (undo,) = eqns[last_dot + 1 :]
+    constants = [np.float32(v.val) for v in undo.invars if hasattr(v, "val")]
+    assert undo.primitive.name == "mul" and constants == [reciprocal], undo

@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (the quantized matmul, linen and NNX styles)."""
+"""The README's Python examples run as written (the quantized matmul, linen and NNX styles); the docs'
+index names every document, and design.md's Layout every module outside fp4jax.ops' kernels."""
 
 import re
 from pathlib import Path
@@ -6,7 +7,8 @@ from pathlib import Path
 import jax
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def _python_blocks(text: str) -> list[str]:
@@ -41,3 +43,25 @@ def test_readme_python_block_runs(index, quick_compiles):
     assert all(bool(jax.numpy.isfinite(a).all()) for a in arrays)
     if "y" in namespace:  # the last product the example computed
         assert namespace["y"].shape == (8, 128)
+
+
+def test_the_docs_index_names_every_document():
+    docs = ROOT / "docs"
+    index = (docs / "README.md").read_text()
+    missing = [p.name for p in docs.glob("*.md") if p.name != "README.md" and f"]({p.name})" not in index]
+    assert not missing, f"docs/README.md does not name {missing}"
+
+
+def test_design_layout_names_every_module():
+    """Every module of fp4jax/*.py, fp4jax/training/ and fp4jax/study/ is in design.md's Layout block."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    layout = design.split("## Layout", 1)[1].split("```")[1]
+    package = ROOT / "fp4jax"
+    modules = [*package.glob("*.py"), *(package / "training").glob("*.py"), *(package / "study").glob("*.py")]
+    named = {Path(name).name for name in re.findall(r"[\w/]+\.py", layout)}
+    missing = [
+        str(m.relative_to(package))
+        for m in modules
+        if m.name not in ("__init__.py", "__main__.py") and m.name not in named
+    ]
+    assert not missing, f"design.md's Layout does not name {missing}"

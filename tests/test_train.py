@@ -1,5 +1,6 @@
-"""The trainer: optimizer, sharded == unsharded step, loss falls, bit-identical resume, the run summary
-(training/summary.py), the divergence rule, step timing, the diagnostics probe and the profiler switch.
+"""The trainer: optimizer, the update (grad_accum, global-norm clipping, stochastic rounding keys),
+sharded == unsharded step, loss falls, bit-identical resume, the run summary (training/summary.py) and
+what a run says, the divergence rule, step timing, the diagnostics probe and the profiler switch.
 
 Faults (bad checkpoints, signals, bad input, a full disk) are in test_faults.py. Tiny runs on the 8 fake
 CPU devices of conftest.py (helpers: tiny_runs.py).
@@ -12,6 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh
 from long_lane import SLOW
@@ -26,6 +28,7 @@ from fp4jax.models.sharding import MESH_AXES, make_mesh, sharding_context
 from fp4jax.ops import get_recipe
 from fp4jax.train import train
 from fp4jax.training import checkpoint, metrics, setup
+from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard
 from fp4jax.training.metrics import read_metrics
 from fp4jax.training.optimizer import lr_schedule, make_optimizer, mlperf_lr
@@ -59,8 +62,9 @@ def test_weight_decay_skips_norm_scales():
 # ------------------------------------------------------------------------------------ sharded step
 
 
-def _one_update(config, mesh, tokens):
-    """One update of `tokens` on `mesh`: its metrics, its change to every parameter, its shardings."""
+def _one_update(config, mesh, tokens, with_opt_state=False):
+    """One update of `tokens` on `mesh`: its metrics, its change to every parameter, its shardings (and
+    the optimizer state after it)."""
 
     class Tok:
         name, vocab_size = "test", 256
@@ -74,6 +78,8 @@ def _one_update(config, mesh, tokens):
         batch = setup.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
         state, step_metrics = train_fn(state, batch, jax.random.key(7))
     update = jax.tree.map(lambda new, old: new - old, jax.device_get(state.params), initial)
+    if with_opt_state:
+        return jax.device_get(step_metrics), update, shardings, state.opt_state
     return jax.device_get(step_metrics), update, shardings
 
 
@@ -81,6 +87,109 @@ def _update_differences(update, want) -> list[float]:
     """Per parameter: |update - want| / |want| (Frobenius norms)."""
     pairs = zip(jax.tree.leaves(update), jax.tree.leaves(want), strict=True)
     return [float(np.linalg.norm(u - w) / np.linalg.norm(w)) for u, w in pairs]
+
+
+def _tiny_float32(token_cache, **overrides):
+    """The tiny config on one device's worth of work: a 256-token vocabulary, float32 compute."""
+    config = tiny_config(token_cache, **overrides)
+    config.model.update(vocab_size=256, dtype="float32")
+    return config
+
+
+ONE_DEVICE = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), MESH_AXES)
+
+
+def _adam_first_moment(opt_state) -> list[np.ndarray]:
+    """Adam's mu (its leaves) in an optimizer state of make_optimizer."""
+    (adam,) = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+    return [np.asarray(m) for m in jax.tree.leaves(jax.device_get(adam.mu))]
+
+
+def test_grad_accum_splits_the_batch_and_changes_no_update(token_cache):
+    """grad_accum=2 on a batch is grad_accum=1 on the same batch: the same loss, gradient norm and update,
+    up to float32 summation order (a gradient from only some micro-batches is far off: 1e-4 bounds)."""
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
+    runs = [
+        _one_update(_tiny_float32(token_cache, recipe="bf16", grad_accum=a), ONE_DEVICE, tokens)
+        for a in (1, 2)
+    ]
+    (whole, whole_update, _), (accumulated, accumulated_update, _) = runs
+    np.testing.assert_allclose(accumulated["loss"], whole["loss"], rtol=1e-6)
+    np.testing.assert_allclose(accumulated["grad_norm"], whole["grad_norm"], rtol=1e-5)
+    assert max(_update_differences(accumulated_update, whole_update)) < 1e-4
+
+
+def test_gradients_are_clipped_to_global_norm_1(token_cache):
+    """optimizer.clip_grad_norm = 1.0 (the default) scales the whole gradient by 1 / its global norm when
+    that is above 1: Adam's first moment after one update is (1 - b1) x the unclipped run's / grad_norm,
+    and its global norm (1 - b1) x 1.0. A batch whose every target is the same gives the tiny model a
+    first gradient of norm above 1.5 (a random one: 0.8), so the clipping matters."""
+    tokens = np.full((8, 33), 7, np.int32)  # every target the same: the gradients add up
+    moments = {}
+    for clip in (1.0, 0.0):
+        config = _tiny_float32(token_cache, recipe="bf16", **{"optimizer.clip_grad_norm": clip})
+        step_metrics, _, _, opt_state = _one_update(config, ONE_DEVICE, tokens, with_opt_state=True)
+        moments[clip] = _adam_first_moment(opt_state)
+    b1, grad_norm = config.optimizer.b1, float(step_metrics["grad_norm"])  # grad_norm: before clipping
+    assert tiny_config(token_cache).optimizer.clip_grad_norm == 1.0 and grad_norm > 1.5
+    norm = float(np.sqrt(sum(np.sum(np.square(m, dtype=np.float64)) for m in moments[1.0])))
+    assert norm == pytest.approx((1 - b1) * 1.0, rel=1e-5)
+    for clipped, unclipped in zip(moments[1.0], moments[0.0], strict=True):
+        np.testing.assert_allclose(clipped, unclipped / grad_norm, rtol=1e-5, atol=1e-12)
+
+
+def test_stochastic_rounding_keys_differ_per_step_and_layer_and_repeat_per_seed(token_cache, monkeypatch):
+    """Every quantized GEMM call of an update draws its own key (each layer of the scanned stack too),
+    the next update draws new ones, and the same seed draws the same ones again (training.state: the key
+    of update s is fold_in(quant_key, s); linen's make_rng folds in the module path and the layer)."""
+    from fp4jax.ops.flax_adapters import QuantDotGeneral
+
+    drawn, draw = [], QuantDotGeneral._key
+
+    def recorded_key(self, recipe):
+        key = draw(self, recipe)
+        if key is not None and not self.is_initializing():
+            jax.debug.callback(
+                lambda data: drawn.append(np.asarray(data).tobytes()), jax.random.key_data(key)
+            )
+        return key
+
+    monkeypatch.setattr(QuantDotGeneral, "_key", recorded_key)
+    config = _tiny_float32(token_cache, recipe="mxfp4_full_sr")
+    tokens = np.random.default_rng(2).integers(0, 256, (8, 33)).astype(np.int32)
+
+    class Tok:
+        name, vocab_size = "test", 256
+
+    with sharding_context(ONE_DEVICE):
+        model, _ = setup.build_model(config, Tok())
+        tx, schedule = make_optimizer(config.optimizer)
+        _, shardings = setup.init_train_state(model, tx, ONE_DEVICE, config.seed, config.seq_len)
+        train_fn, _ = setup.jit_steps(config, model, tx, schedule, ONE_DEVICE, shardings)
+        batch = setup.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, ONE_DEVICE)
+
+        def keys_of_updates(seed: int, updates: int) -> list[list[bytes]]:
+            state, _ = setup.init_train_state(model, tx, ONE_DEVICE, config.seed, config.seq_len)
+            per_update = []
+            for _ in range(updates):
+                state, step_metrics = train_fn(state, batch, setup.quant_key(seed))
+                jax.block_until_ready(step_metrics)
+                jax.effects_barrier()
+                per_update.append(list(drawn))
+                drawn.clear()
+            return per_update
+
+        first, second = keys_of_updates(seed=0, updates=2)
+        again = keys_of_updates(seed=0, updates=1)[0]
+        other_seed = keys_of_updates(seed=1, updates=1)[0]
+    layers = config.model.n_layers or 2  # the tiny size's
+    assert len(first) >= 2 * layers and len(set(first)) == len(first), "a key repeats within an update"
+    assert not set(first) & set(second), "update 2 drew update 1's keys"
+    assert sorted(again) == sorted(first) and not set(other_seed) & set(first)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU lane's fake ones)")
@@ -150,24 +259,70 @@ def test_run_lowers_loss_resumes_bit_identically_and_summarises(tmp_path, token_
     assert all(("peak_memory_gb" in r) == reports_memory for r in records if "tokens_per_s" in r)
 
 
-def test_target_reached_status_and_stop(tmp_path, token_cache, monkeypatch):
+def test_target_reached_status_and_stop(tmp_path, token_cache, monkeypatch, capsys):
     """Also: each update is timed over exactly one wait for its results, the last one (fetched with no
     update behind it) included. The step timer's clock moves only inside jax.device_get, by 1 s, so any
-    other span would show as a time other than 1 (no wall clock: the CI machine's load cannot matter)."""
+    other span would show as a time other than 1 (no wall clock: the CI machine's load cannot matter).
+    The evaluation is said as it happens (before the checkpoint after it), and the finished run started
+    again says when it reached its target."""
     clock, device_get = [0.0], jax.device_get
 
     def waiting_device_get(x):
         clock[0] += 1.0
         return device_get(x)
 
+    said_before_save, save = {}, checkpoint.save
+
+    def save_after_reading_stderr(manager, step, *args, **kwargs):
+        said_before_save[step] = capsys.readouterr().err
+        return save(manager, step, *args, **kwargs)
+
     monkeypatch.setattr(jax, "device_get", waiting_device_get)
     monkeypatch.setattr(metrics, "StepTimer", functools.partial(metrics.StepTimer, clock=lambda: clock[0]))
-    summary = train(tiny_config(token_cache, target_eval_loss=99.0, stop_at_target=True), str(tmp_path))
+    monkeypatch.setattr(checkpoint, "save", save_after_reading_stderr)
+    config = tiny_config(token_cache, target_eval_loss=99.0, stop_at_target=True)
+    summary = train(config, str(tmp_path))
     assert summary["status"] == "reached" and summary["steps"] == summary["steps_to_target"] == 4
     assert summary["tokens_to_target"] == 4 * 8 * 32
     assert checkpoint.make_manager(str(tmp_path), keep=3).all_steps()[-1] == 4
     times = [r["step_time_s"] for r in read_metrics(str(tmp_path)) if "step_time_s" in r]
     assert times == [1.0] * 4
+    eval_loss = summary["evals"][0][-1]
+    assert "eval loss" not in said_before_save[2]
+    assert f"update 4: eval loss {eval_loss:.4f} (8 sequences); target 99.0 reached\n" in said_before_save[4]
+
+    assert train(config, str(tmp_path)) == summary
+    assert (
+        f"the run in {tmp_path} is finished: it reached eval loss 99.0 at update 4, where it stopped; its "
+        f"summary is {tmp_path / 'summary.json'}; set --config.stop_at_target=false to train further"
+    ) in capsys.readouterr().err
+
+
+def test_a_finished_run_says_when_it_reached_the_target_and_when_it_stopped():
+    summary = {"status": "reached", "steps": 300, "steps_to_target": 200, "target_eval_loss": 3.3}
+    config = tiny_config("unused", stop_at_target=False)
+    assert summaries.finished_line("runs/a", summary, config) == (
+        "the run in runs/a is finished: it reached eval loss 3.3 at update 200 and stopped after update 300; "
+        "its summary is runs/a/summary.json; raise --config.steps to train further"
+    )
+
+
+def test_the_gemm_back_end_is_said_once(token_cache, monkeypatch, capsys):
+    """The library says the back end `auto` resolves to once per process, the trainer says it with the
+    quantizer: a run shows one of the two lines."""
+    from fp4jax.ops.kernels import probes
+
+    class Tok:
+        name, vocab_size = "test", 256
+
+    monkeypatch.delenv(setup.GEMM_BACKEND_ENV, raising=False)
+    probes.auto_choice.cache_clear()  # as in a fresh process: auto not resolved yet
+    try:
+        setup.build_model(tiny_config(token_cache, recipe="mxfp4_full_h16"), Tok())
+    finally:
+        probes.auto_choice.cache_clear()
+    said = [line for line in capsys.readouterr().err.splitlines() if "GEMM back end" in line]
+    assert len(said) == 1 and said[0].startswith("GEMM back end emulate (auto: ") and "quantizer" in said[0]
 
 
 # ------------------------------------------------------------------------------ divergence and timing

@@ -153,7 +153,8 @@ def find_llama3_file() -> Path:
     if path is None or not path.is_file():
         raise DataError(
             "Llama 3 tokenizer not found: pip install --no-deps llama-models (Llama 3.1 Community License), "
-            f"set ${LLAMA3_ENV}, or pass tokenizer=/path/to/tokenizer.model"
+            f"set ${LLAMA3_ENV}, or set data.tokenizer to the file (python -m fp4jax.train: "
+            "--config.data.tokenizer=/path/to/tokenizer.model)"
         )
     return path
 

@@ -8,7 +8,9 @@ re-raised as ConfigError at their call sites only, so a ValueError from a bug el
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
+import shutil
 import tempfile
 
 import jax
@@ -59,8 +61,10 @@ __all__ = [
     "jit_steps",
     "make_run_mesh",
     "model_config",
+    "new_directory",
     "prepare_workdir",
     "quant_key",
+    "remove_new_directory",
     "resolve_config",
     "resolve_run_execution",
     "total_steps",
@@ -195,6 +199,25 @@ def prepare_workdir(workdir: str) -> str:
     return path
 
 
+def new_directory(workdir: str) -> str | None:
+    """The top-most directory that prepare_workdir(workdir) would create (workdir or one of its parents),
+    or None when workdir exists: what `remove_new_directory` takes away after a failed start."""
+    path, missing = os.path.abspath(workdir), None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_new_directory(new: str | None) -> None:
+    """Removes `new` (from new_directory, before the start) with whatever the failed start put in it, so a
+    run that never started leaves no workdir behind; a workdir that existed (new None) stays as it was."""
+    if new is not None:
+        shutil.rmtree(new, ignore_errors=True)
+
+
 def make_run_mesh(config):
     """The device mesh of config.mesh, with the batch checked against it."""
     with config_values("mesh: "):
@@ -288,12 +311,36 @@ def build_model(config, tokenizer):
             f"model.vocab_size {model_cfg.vocab_size} is smaller than tokenizer {tokenizer.name}'s "
             f"{tokenizer.vocab_size}; leave model.vocab_size unset to derive it"
         )
-    recipe, execution = resolve_run_execution(config)  # here, not while the step is traced: a one-line error
+    with _library_backend_line_left_out():  # said once, below, with the quantizer
+        recipe, execution = resolve_run_execution(config)  # here, not while tracing: a one-line error
     say(
         f"GEMM back end {execution.backend} ({execution.backend_reason}); "
         f"quantizer {execution.quantizer}: {execution.quantizer_runs}"
     )
     return Llama(model_cfg, recipe=recipe), model_cfg
+
+
+class _NotTheBackendLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("GEMM back end")
+
+
+@contextlib.contextmanager
+def _library_backend_line_left_out():
+    """The library says "GEMM back end ..." when it first resolves `auto` in a process (at INFO, from a
+    logger of fp4jax.ops); the trainer says the same back end with its quantizer right after, so the
+    library's line is left out while the trainer resolves it. (A logger's filter sees only the records
+    of that logger, hence one per fp4jax.ops logger.)"""
+    names = [n for n in logging.Logger.manager.loggerDict if n == "fp4jax.ops" or n.startswith("fp4jax.ops.")]
+    loggers = [logging.getLogger(n) for n in names]
+    line_filter = _NotTheBackendLine()
+    for logger in loggers:
+        logger.addFilter(line_filter)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(line_filter)
 
 
 def build_model_and_optimizer(config):

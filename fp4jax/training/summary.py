@@ -23,6 +23,7 @@ from fp4jax.training import metrics
 
 __all__ = [
     "FINISHED",
+    "finished_line",
     "finished_summary",
     "median_tokens_per_s",
     "run_summary",
@@ -53,6 +54,22 @@ def finished_summary(workdir: str, config, last_step: int) -> dict | None:
         return None
     stopped_at_target = summary["status"] == "reached" and config.stop_at_target
     return summary if stopped_at_target or summary.get("steps", 0) >= last_step else None
+
+
+def finished_line(workdir: str, summary: dict, config) -> str:
+    """What a finished run started again says: the target reached and when, or not, the update it stopped
+    after, where its summary is, and how to train further under `config`."""
+    steps, target = summary["steps"], summary["target_eval_loss"]
+    if summary["status"] == "reached":
+        at = summary["steps_to_target"]
+        outcome = f"reached eval loss {target} at update {at}"
+        outcome += ", where it stopped" if at == steps else f" and stopped after update {steps}"
+    else:
+        outcome = f"did not reach eval loss {target} in its {steps} updates"
+    stopped_at_target = summary["status"] == "reached" and config.stop_at_target
+    hint = "set --config.stop_at_target=false" if stopped_at_target else "raise --config.steps"
+    where = f"its summary is {summary_path(workdir)}"
+    return f"the run in {workdir} is finished: it {outcome}; {where}; {hint} to train further"
 
 
 def run_summary(

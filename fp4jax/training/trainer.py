@@ -59,24 +59,30 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains until the eval target, the step/token budget, a divergence or a stop signal; returns the
     summary (also <workdir>/summary.json). A finished run is left untouched and its summary returned.
 
-    Bad input raises a UserError or DataError with a one-line message before anything is compiled.
+    Bad input raises a UserError or DataError with a one-line message before anything is compiled. A run
+    that fails before its first update leaves no directory it created (a workdir that existed stays).
     """
     config = setup.resolve_config(config)
     last_step = setup.total_steps(config)
     done = summaries.finished_summary(workdir, config, last_step)
     if done is not None:
-        summaries.say(
-            f"the run in {workdir} is finished ({done['status']} after {done['steps']} updates); its summary "
-            f"is {summaries.summary_path(workdir)}; raise --config.steps to train further"
-        )
+        summaries.say(summaries.finished_line(workdir, done, config))
         return done
-    workdir = setup.prepare_workdir(workdir)
-    mesh = setup.make_run_mesh(config)
-    setup.check_init_checkpoint(config)
-    branch.check_config(config, workdir)
-    with sharding_context(mesh), distributed.lost_process_reported():
-        run = build_run(config, workdir, mesh, last_step)
-        return run_loop(run)
+    new_directory = setup.new_directory(workdir)  # removed again if the run fails to start
+    started = False
+    try:
+        workdir = setup.prepare_workdir(workdir)
+        mesh = setup.make_run_mesh(config)
+        setup.check_init_checkpoint(config)
+        branch.check_config(config, workdir)
+        with sharding_context(mesh), distributed.lost_process_reported():
+            run = build_run(config, workdir, mesh, last_step)
+            started = True
+            return run_loop(run)
+    except BaseException:
+        if not started:
+            setup.remove_new_directory(new_directory)
+        raise
 
 
 def build_run(config, workdir: str, mesh, last_step: int) -> Run:
@@ -347,6 +353,9 @@ def _final_evaluate(run: Run, step: int, writer):
     )
     run.meta["final_eval"] = record
     writer.write(record)
+    summaries.say(
+        f"update {step}: final eval loss {eval_loss:.4f} ({record['final_eval_sequences']} sequences)"
+    )
 
 
 def _evaluate(run: Run, step: int, writer):
@@ -354,8 +363,12 @@ def _evaluate(run: Run, step: int, writer):
     eval_loss = evaluation.evaluate(run.eval_fn, run.state, run.eval_batches, run.quant_key)
     seqs, tokens = step * config.global_batch, step * config.global_batch * config.seq_len
     run.meta["evals"].append([step, seqs, tokens, eval_loss])
+    sequences = len(run.eval_batches) * config.eval_batch_size
+    line = f"update {step}: eval loss {eval_loss:.4f} ({sequences} sequences)"
     if eval_loss <= config.target_eval_loss and run.meta["target_step"] is None:
         run.meta["target_step"] = step
+        line += f"; target {config.target_eval_loss} reached"
+    summaries.say(line)
     writer.write(
         {
             "step": step,
