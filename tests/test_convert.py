@@ -431,3 +431,16 @@ def _assert_refused(argv, message, tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
     assert sorted(os.listdir(tmp_path)) == before  # no output, no .partial directory
+
+
+def test_bf16_export_rounds_to_nearest_even_as_torch_does(tmp_path):
+    """Float32 masters between bf16 values (ties included) are written as torch's .to(bfloat16) rounds."""
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal((64, 48), dtype=np.float32)
+    ties = (values.view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # halfway between two
+    values[:8] = ties[:8].view(np.float32)
+    index = hf_llama.write_safetensors(str(tmp_path), iter([("w", values.T)]), "bfloat16", 1 << 30)
+    with hf_llama.safe_open(str(tmp_path / index["weight_map"]["w"]), framework="numpy") as f:
+        written = f.get_tensor("w")
+    want = torch.from_numpy(np.ascontiguousarray(values.T)).to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(written.view(np.int16), want)

@@ -60,11 +60,15 @@ __all__ = [
     "EXPORT_DTYPES",
     "INDEX_FILE",
     "ConversionError",
+    "Leaf",
+    "ShardReader",
     "abstract_params",
     "check_tensors",
     "hf_config",
+    "hf_shape",
     "hf_tensors",
     "llama_config_from_hf",
+    "leaves",
     "load_params",
     "read_hf_config",
     "tensor_files",
@@ -411,7 +415,7 @@ def leaves(cfg: LlamaConfig, tied: bool = False) -> list[Leaf]:
     return out
 
 
-def _hf_shape(layer_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
+def hf_shape(layer_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
     if n_in is None:
         return layer_shape
     return (math.prod(layer_shape[n_in:]), math.prod(layer_shape[:n_in]))
@@ -423,7 +427,7 @@ def check_tensors(specs: dict, cfg: LlamaConfig, tied: bool) -> None:
     wanted = {}
     for leaf in leaves(cfg, tied):
         for name in leaf.names:
-            wanted[name] = _hf_shape(leaf.layer_shape, leaf.n_in)
+            wanted[name] = hf_shape(leaf.layer_shape, leaf.n_in)
     for name, shape in wanted.items():
         if name not in specs:
             raise ConversionError(
@@ -461,19 +465,44 @@ def _group(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[slice, tup
     return slice(start * inner, stop * inner), local, trim
 
 
-def read_shard(file: str, name: str, n_in: int | None, layer_shape: tuple, index: tuple) -> np.ndarray:
-    """The float32 values of fp4jax param slice `index` (of one layer, shape `layer_shape`) from the
-    Hugging Face tensor `name`: only the bytes of that slice are read."""
-    index = tuple(index) + (slice(None),) * (len(layer_shape) - len(index))
-    with safe_open(file, framework="numpy") as f:
-        piece = f.get_slice(name)
-        if n_in is None:
-            return np.asarray(piece[index], dtype=np.float32)
-        cols, in_shape, in_trim = _group(layer_shape[:n_in], index[:n_in])
-        rows, out_shape, out_trim = _group(layer_shape[n_in:], index[n_in:])
-        block = np.asarray(piece[rows, cols], dtype=np.float32).T
-    values = block.reshape(in_shape + out_shape)
-    return np.ascontiguousarray(values[in_trim + out_trim])
+class ShardReader:
+    """Reads the float32 values of fp4jax param slices (of one layer, shape `layer_shape`) from the
+    Hugging Face tensor `name`, one slice per call.
+
+    safetensors' numpy slicing reads only the rows asked for but the whole of each row (a column slice of
+    a (V, D) tensor reads all of it: measured with safetensors 0.8), so the rows a slice needs are read
+    as a block and kept while the next slices need the same rows (FSDP cuts the columns: one read per
+    tensor); the slice is converted to float32 in the same copy that transposes it. Host memory: that
+    block in the file's dtype and one slice in float32.
+    """
+
+    def __init__(self, file: str, name: str, n_in: int | None, layer_shape: tuple[int, ...]):
+        self.file, self.name, self.n_in, self.shape = file, name, n_in, tuple(layer_shape)
+        self.rows, self.block = None, None
+
+    def _rows(self, rows: slice) -> np.ndarray:
+        key = rows.indices(10**18)
+        if key != self.rows:
+            self.block = None  # the previous block is freed before the next one is read
+            with safe_open(self.file, framework="numpy") as f:
+                self.block = f.get_slice(self.name)[rows]
+            self.rows = key
+        return self.block
+
+    def __call__(self, index: tuple) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(index))
+        if self.n_in is None:
+            return np.asarray(self._rows(index[0])[(slice(None), *index[1:])], dtype=np.float32)
+        cols, in_shape, in_trim = _group(self.shape[: self.n_in], index[: self.n_in])
+        rows, out_shape, out_trim = _group(self.shape[self.n_in :], index[self.n_in :])
+        block = self._rows(rows)[:, cols]
+        flat = np.empty(block.shape[::-1], np.float32)
+        np.copyto(flat, block.T)
+        values = flat.reshape(in_shape + out_shape)  # a view: flat is contiguous
+        return np.ascontiguousarray(values[in_trim + out_trim])  # a copy only where head_dim is cut
+
+    def close(self):
+        self.rows, self.block = None, None
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
@@ -484,9 +513,19 @@ def _set_layer(stacked, layer, j, sharding):
 
 
 def _place_layer(files, leaf: Leaf, j: int, sharding) -> jax.Array:
+    """Layer j's tensor on the mesh, one device's slice at a time (ShardReader): a device holding the
+    same slice as the one before it reuses it."""
     name = leaf.names[j]
-    read = functools.partial(read_shard, files[name], name, leaf.n_in, leaf.layer_shape)
-    return jax.make_array_from_callback(leaf.layer_shape, sharding, read)
+    reader = ShardReader(files[name], name, leaf.n_in, leaf.layer_shape)
+    pieces, last_index, last = [], None, None
+    for device, index in sharding.addressable_devices_indices_map(leaf.layer_shape).items():
+        bounds = tuple(s.indices(n) for s, n in zip(index, leaf.layer_shape, strict=False))
+        if bounds != last_index:
+            last_index, last = bounds, None
+            last = reader(index)
+        pieces.append(jax.device_put(last, device))
+    reader.close()
+    return jax.make_array_from_single_device_arrays(leaf.layer_shape, sharding, pieces)
 
 
 def _place_leaf(files, leaf: Leaf, sharding: NamedSharding) -> jax.Array:
@@ -523,21 +562,17 @@ def load_params(hf_dir: str, cfg: LlamaConfig, mesh, tied: bool = False, on_tens
 
 
 def hf_tensors(cfg: LlamaConfig, read_leaf: Callable[[tuple[str, ...]], np.ndarray]) -> Iterator[tuple]:
-    """(Hugging Face name, float32 tensor in its layout) for every tensor of Llama(cfg), reading one param
-    at a time with `read_leaf(path)` (a stacked param's layers one after the other)."""
+    """(Hugging Face name, float32 tensor in its layout, possibly a strided view) for every tensor of
+    Llama(cfg), reading one param at a time with `read_leaf(path)` (a stacked param whole, then its
+    layers one after the other)."""
     for leaf in leaves(cfg):
         values = read_leaf(leaf.path)
         layers = values if leaf.stacked else [values]
         for name, layer in zip(leaf.names, layers, strict=True):
-            if leaf.n_in is None:
-                yield name, np.asarray(layer)
-            else:
-                yield (
-                    name,
-                    np.ascontiguousarray(
-                        np.asarray(layer).reshape(_hf_shape(layer.shape, leaf.n_in)[::-1]).T
-                    ),
-                )
+            layer = np.asarray(layer)
+            if leaf.n_in is not None:  # a transposed view: write_safetensors copies it once, rounded
+                layer = layer.reshape(hf_shape(layer.shape, leaf.n_in)[::-1]).T
+            yield name, layer
         del values, layers
 
 
@@ -557,7 +592,7 @@ def write_safetensors(out_dir: str, tensors: Iterator[tuple], dtype: str, max_sh
         shard, shard_bytes = {}, 0
 
     for name, values in tensors:
-        array = values.astype(np_dtype)
+        array = np.ascontiguousarray(values, dtype=np_dtype)
         if shard and shard_bytes + array.nbytes > max_shard_bytes:
             flush()
         shard[name], shard_bytes, total = array, shard_bytes + array.nbytes, total + array.nbytes

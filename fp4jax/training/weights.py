@@ -20,6 +20,7 @@ re-laid out on the devices.
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import re
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 PARAMS_ITEMS = ("state", "meta")
+SAVE_GB = 1  # how much orbax may copy from the devices to the host at once while writing params
 ARCH_FIELDS = (
     "vocab_size",
     "d_model",
@@ -69,13 +71,29 @@ def write_params_checkpoint(directory: str, params, mesh, model: dict, source: d
     directory. Synchronous: the files are complete when it returns."""
     step = jax.device_put(np.int32(0), NamedSharding(mesh, PartitionSpec()))
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
+    # orbax copies arrays to the host to write them, by default up to 96 GB at once: the whole model.
+    # SAVE_GB at a time (or one device's slice of the largest param, the least orbax accepts) keeps the
+    # host's share bounded; the files are the same as StandardSave's.
+    largest = max(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params)
+    )
+    limit_gb = max(SAVE_GB, math.ceil(largest / 1e9))
+    handlers = {
+        "state": ocp.PyTreeCheckpointHandler(
+            save_concurrent_gb=limit_gb, save_device_host_concurrent_gb=limit_gb
+        ),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
     manager = ocp.CheckpointManager(
-        checkpoint.checkpoints_dir(directory), options=options, item_names=PARAMS_ITEMS
+        checkpoint.checkpoints_dir(directory),
+        options=options,
+        item_names=PARAMS_ITEMS,
+        item_handlers=handlers,
     )
     meta = {"config": {"model": model}, "converted_from": source}
     try:
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave({"step": step, "params": params}), meta=ocp.args.JsonSave(meta)
+            state=ocp.args.PyTreeSave({"step": step, "params": params}), meta=ocp.args.JsonSave(meta)
         )
         manager.save(0, args=args)
         manager.wait_until_finished()
