@@ -26,11 +26,11 @@ transformers' `rotate_half` and fp4jax's `apply_rope` both rotate the pairs (x[r
 permutation of q/k rows that Meta's original `consolidated.*.pth` checkpoints need (interleaved pairs) is
 already applied in every Hugging Face Llama directory.
 
-Invariants: a Hugging Face tensor is read only in the slices the devices of this process hold (a
-multi-process run reads its shards only), converted to float32 there, and placed on the mesh before the
-next tensor is read; export writes the float32 master params rounded to the requested dtype (round to
-nearest even). Every check of the input runs on config.json and the safetensors headers before any
-tensor is read.
+Invariants: one Hugging Face tensor at a time is read (the rows this process's devices need: whole rows,
+as safetensors reads them), each device's slice converted to float32 and placed on the mesh before the
+next tensor is read, so a process converts and places only its devices' slices; export writes the
+float32 master params rounded to the requested dtype (round to nearest even). Every check of the input
+runs on config.json and the safetensors headers before any tensor is read.
 """
 
 import dataclasses
