@@ -29,7 +29,9 @@ Keys:
   (start from another run's checkpoint when the workdir has none). init_from + init_from_step: branch from
   step N of another run's workdir with this config's recipe (fp4jax.training.branch: params, optimizer
   state, step and data position taken, amax histories only where they fit); steps counts from 0, so a
-  branch of L updates sets steps = N + L.
+  branch of L updates sets steps = N + L. init_params: start from the params alone of a checkpoint
+  (`python -m fp4jax.convert from-hf`'s, or a run's workdir / step directory; fp4jax.training.weights):
+  optimizer state fresh, step 0, data from the start.
 - mesh.data / mesh.fsdp / mesh.tensor (-1 = the remaining devices); data: fp4jax.data's config, with
   data.separator "none" here: the reference's pre-tokenized C4 has nothing between documents.
 - debug_nan_at_step: poison update N's loss and gradients (tests the NaN guard); 0 = off.
@@ -128,6 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.init_checkpoint = ""
     c.init_from = ""  # branch: another run's workdir (training/branch.py) ...
     c.init_from_step = 0  # ... and the step of its checkpoint to start from
+    c.init_params = ""  # params only (training/weights.py): optimizer fresh, step 0
 
     # FSDP over every device: fp32 master weights + Adam moments of 8B (128 GB) do not fit replicated.
     c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})

@@ -21,7 +21,17 @@ import ml_collections
 from fp4jax.data import DataError, make_train_iterator
 from fp4jax.models.llama import flops_per_token
 from fp4jax.models.sharding import sharding_context
-from fp4jax.training import branch, checkpoint, distributed, evaluation, hooks, integrity, metrics, setup
+from fp4jax.training import (
+    branch,
+    checkpoint,
+    distributed,
+    evaluation,
+    hooks,
+    integrity,
+    metrics,
+    setup,
+    weights,
+)
 from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard, describe
 from fp4jax.training.preemption import StopSignals
@@ -74,6 +84,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         workdir = setup.prepare_workdir(workdir)
         mesh = setup.make_run_mesh(config)
         setup.check_init_checkpoint(config)
+        weights.check_config(config, workdir)
         branch.check_config(config, workdir)
         with sharding_context(mesh), distributed.lost_process_reported():
             run = build_run(config, workdir, mesh, last_step)
@@ -100,6 +111,9 @@ def build_run(config, workdir: str, mesh, last_step: int) -> Run:
     meta = {"evals": [], "target_step": None, "guard": {}}
     if restored is not None:
         state, meta = restored.state, {**meta, **restored.meta}
+    elif config.init_params:
+        state, started = weights.start_from_params(config, state, shardings, model_cfg)
+        meta.update(started)
     train_fn, eval_fn = setup.jit_steps(config, model, tx, schedule, mesh, shardings)
     peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind)
     return Run(
@@ -153,7 +167,7 @@ def data_hint(message: str) -> str:
 
 def restore(config, manager, abstract_state, train_iter):
     """The workdir's newest good checkpoint, else the branch start of init_from (training.branch), else
-    init_checkpoint's, else None (start from scratch)."""
+    init_checkpoint's, else None (start from scratch, or from init_params' params: build_run)."""
     if jax.process_index() == 0:
         integrity.remove_orbax_tmp_dirs(str(manager.directory))  # saves cut off mid-way
     restored = checkpoint.restore_newest_good(manager, abstract_state, train_iter)
@@ -188,7 +202,7 @@ def run_loop(run: Run) -> dict:
     finally:
         writer.close()
     status = stop or ("diverged" if divergence else "reached" if run.meta["target_step"] else "not_reached")
-    extra = {k: run.meta[k] for k in ("final_eval", "branched_from") if k in run.meta}
+    extra = {k: run.meta[k] for k in ("final_eval", "branched_from", "init_params") if k in run.meta}
     if divergence is not None:
         newest = max(integrity.step_dirs(str(run.manager.directory)), default=None)
         extra["divergence_message"] = describe(divergence, guard.last_finite(), run.resumed_from, newest)
