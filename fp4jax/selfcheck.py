@@ -19,9 +19,11 @@ check passed, 1 otherwise, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import importlib.metadata
 import math
+import os
 import re
 import statistics
 import sys
@@ -161,17 +163,43 @@ def gemm_operand_types(hlo_text: str) -> list[str]:
     return found
 
 
+def _with_emulate_first(backend_names) -> list[str]:
+    return ["emulate"] + [b for b in backend_names if b != "emulate"]
+
+
+def compile_all(recipes, shape, backend_names, quantizer: str = "auto", threads: int = 1) -> dict:
+    """{(recipe, backend): compiled layer_gemms} for every pair, each program compiled once (the checks
+    run, time and read the HLO of these executables; reading it by compiling again doubled the fp8 back
+    end's compiles), on `threads` threads (0: one per core). Most of the self-check's time is compiling;
+    on a 2-core CPU one thread was fastest (2026-12-05: 20 s for 21 programs, 43 s on two threads)."""
+    x, w, dy = _operands(*shape)
+    pairs = [(r, b) for r in recipes for b in _with_emulate_first(backend_names)]
+    start = time.perf_counter()
+    threads = min(len(pairs), threads or os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        compiled = pool.map(lambda p: layer_gemms(*p, quantizer).lower(x, w, dy).compile(), pairs)
+        out = dict(zip(pairs, compiled, strict=True))
+    seconds = time.perf_counter() - start
+    print(f"\ncompiled {len(pairs)} layer programs in {seconds:.1f} s on {threads} thread(s)")
+    return out
+
+
 def check_gemms(
-    recipe: str, shape, backend_names, bound: float, on_gpu: bool, quantizer: str = "auto"
+    recipe: str, shape, backend_names, bound: float, on_gpu: bool, quantizer: str = "auto", compiled=None
 ) -> bool:
+    """The layer's GEMMs of `recipe` on each back end against emulate's (`compiled`: compile_all's
+    executables, else each is compiled here)."""
     tokens, d_model, d_ff = shape
     x, w, dy = _operands(tokens, d_model, d_ff)
     flops = 3 * 2 * tokens * d_model * d_ff
     reference = None
     ok = True
     print(f"\nGEMMs of one layer, recipe {recipe}: tokens {tokens} x d_model {d_model} x d_ff {d_ff}")
-    for backend in ["emulate"] + [b for b in backend_names if b != "emulate"]:
-        fn = layer_gemms(recipe, backend, quantizer)
+    for backend in _with_emulate_first(backend_names):
+        if compiled is None:
+            fn = layer_gemms(recipe, backend, quantizer).lower(x, w, dy).compile()
+        else:
+            fn = compiled[recipe, backend]
         outs = [np.asarray(o, np.float64) for o in jax.block_until_ready(fn(x, w, dy))]
         seconds = median_seconds(fn, x, w, dy)
         line = f"  {backend:8s} {flops / seconds / 1e12:9.2f} TFLOP/s ({seconds * 1e3:.2f} ms fwd+bwd)"
@@ -186,11 +214,11 @@ def check_gemms(
         detail = ", ".join(f"{n} {e:.2e}" for n, e in zip(GEMMS, errors, strict=True))
         print(f"{line}  max rel. error vs emulate: {detail}  (bound {bound:.0e}) {_verdict(agree)}")
         if on_gpu and backend == "native":
-            text = fn.lower(x, w, dy).compile().as_text()
+            text = fn.as_text()
             block_scaled = any(t in text for t in ("matmul$mx", "blockScaled", "block_scaled"))
             print(f"           block-scaled library GEMM in the compiled program: {block_scaled}")
         if on_gpu and backend == "fp8":
-            types = gemm_operand_types(fn.lower(x, w, dy).compile().as_text())
+            types = gemm_operand_types(fn.as_text())
             fp8_gemms = sum(t.startswith("f8") for t in types)
             print(f"           GEMM operand types in the compiled program: {types}")
             if not fp8_unfolded(PRESETS[recipe]):
@@ -263,6 +291,12 @@ def parse_args(argv):
     size.add_argument("--full", action="store_true", help=f"GEMM shape {FULL_SHAPE} (default on GPU)")
     parser.add_argument("--recipe", default="mxfp4_full_h16", help="preset for the GEMMs and training")
     parser.add_argument("--backends", default="", help="comma list (default: every one available here)")
+    parser.add_argument(
+        "--compile-threads",
+        type=int,
+        default=1,
+        help="threads compiling the GEMM programs (default 1; 0: one per core)",
+    )
     parser.add_argument("--train-steps", type=int, default=12, help="tiny-model updates (0: skip)")
     parser.add_argument(
         "--formats", default=",".join(FORMAT_RECIPES), help="comma list of presets GEMM-checked as well"
@@ -278,6 +312,8 @@ def parse_args(argv):
     for name in filter(None, args.backends.split(",")):
         if name not in BACKENDS or name == "auto":
             parser.error(f"unknown back end {name!r}: use emulate, fp8 or native")
+    if args.compile_threads < 0:
+        parser.error("--compile-threads must be >= 0 (0: one per core)")
     if args.train_steps < 0 or args.train_steps == 1:
         parser.error("--train-steps must be 0 (skip) or at least 2")
     return args
@@ -318,10 +354,11 @@ def main(argv=None) -> int:
     shape = SMALL_SHAPE if args.small or (not args.full and not on_gpu) else FULL_SHAPE
     bound = BOUNDS["gpu" if on_gpu else "cpu"]
 
-    ok = check_gemms(args.recipe, shape, chosen, bound, on_gpu, execution.quantizer)
-    for name in filter(None, args.formats.split(",")):
-        if name != args.recipe:
-            ok &= check_gemms(name, shape, chosen, bound, on_gpu, execution.quantizer)
+    recipes = [args.recipe] + [n for n in filter(None, args.formats.split(",")) if n != args.recipe]
+    compiled = compile_all(recipes, shape, chosen, execution.quantizer, args.compile_threads)
+    ok = True
+    for name in recipes:
+        ok &= check_gemms(name, shape, chosen, bound, on_gpu, execution.quantizer, compiled)
     if args.train_steps:
         ok &= check_training(args.recipe, args.train_steps)
     print(f"\nself-check {'PASSED' if ok else 'FAILED'}")

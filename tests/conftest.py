@@ -114,6 +114,7 @@ for _option, _parse in (
 # each module would get its own).
 import ordering  # noqa: E402
 import pytest  # noqa: E402
+import shards  # noqa: E402
 from tiny_runs import good_run, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
 from fp4jax import logs  # noqa: E402
@@ -145,10 +146,32 @@ def failing_scaled_dot(monkeypatch):
     probes.auto_choice.cache_clear()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        metavar="K/N",
+        help="run the K-th of N shards of the collected tests (tests/shards.py; benchmarks/gpu_lane.sh)",
+    )
+
+
+def _keep_shard(config, items) -> None:
+    """Deselects what is not in --shard's shard: a partition of what `-m` left, the same in every worker."""
+    try:
+        k, n = shards.parse_shard(config.getoption("shard"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    keep = set(shards.partition([item.nodeid for item in items], n, shards.load_seconds())[k - 1])
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
+    items[:] = [item for item in items if item.nodeid in keep]
+
+
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected the other lane's tests
 def pytest_collection_modifyitems(config, items):
-    """Slow modules first, dealt between pytest-xdist's workers (tests/ordering.py) by their seconds in
-    the lane that runs; the same order in every worker, as xdist requires."""
+    """--shard's share of the tests, if given; then slow modules first, dealt between pytest-xdist's
+    workers (tests/ordering.py) by their seconds in the lane that runs; the same order in every worker,
+    as xdist requires."""
+    if config.getoption("shard"):
+        _keep_shard(config, items)
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     seconds = ordering.lane_seconds(config.getoption("markexpr"))
     order = ordering.deal([os.path.basename(item.path) for item in items], workers, seconds)

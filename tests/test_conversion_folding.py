@@ -89,10 +89,16 @@ def _evaluate(jaxpr, consts, args, sources, fold: bool, divide=None):
 
 def _evaluated(f, *args, fold: bool = False, divide=None):
     """f's outputs from the evaluator traced under jit on the CPU (folding conversions, replacing divides as
-    _evaluate does), so that two calls' programs differ only in what they change."""
-    closed = jax.make_jaxpr(f)(*args)
-    flat = jax.tree.leaves(args)
-    return jax.jit(lambda *a: _evaluate(closed.jaxpr, closed.consts, a, [None] * len(a), fold, divide))(*flat)
+    _evaluate does), so that two calls' programs differ only in what they change. On the CPU on every
+    lane: on a GPU, XLA would fold the chains of the program as written too, and the two would agree
+    whatever the library does."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        closed = jax.make_jaxpr(f)(*args)
+        consts = jax.device_put(closed.consts, cpu)
+        flat = jax.device_put(jax.tree.leaves(args), cpu)
+        evaluate = lambda *a: _evaluate(closed.jaxpr, consts, a, [None] * len(a), fold, divide)
+        return jax.jit(evaluate)(*flat)
 
 
 def _both_ways(f, *args):

@@ -17,11 +17,15 @@ def _shellcheck() -> str | None:
     return shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
 
 
-def _run(args, **env):
+def _run_status(args, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FP4JAX_", "XLA_FLAGS"))}
-    result = subprocess.run(
+    return subprocess.run(
         args, cwd=REPO, env={**clean, **env}, capture_output=True, text=True, timeout=60, check=False
     )
+
+
+def _run(args, **env):
+    result = _run_status(args, **env)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -95,16 +99,23 @@ def test_local_dry_run_two_processes(tmp_path):
     from fp4jax import launch_local
 
     workdir = tmp_path / "run"
-    out = _run(
-        ["launch/local.sh", "--dry-run", "configs/tiny_c4_h16.py", "--config.steps=3"],
-        NPROC="2",
-        DEVICES_PER_PROCESS="2",
-        WORKDIR=str(workdir),
-        PYTHON=sys.executable,  # the launcher is python; the processes it would start are only printed
-    )
+    args = ["launch/local.sh", "--dry-run", "configs/tiny_c4_h16.py", "--config.steps=3"]
+    # The launcher is python; the processes it would start are only printed.
+    env = dict(NPROC="2", DEVICES_PER_PROCESS="2", WORKDIR=str(workdir), PYTHON=sys.executable)
+    platform, gpus = launch_local.gpu_platform()
+    if platform is not None and gpus % 2:  # one GPU (or three): no even share for each of two processes
+        result = _run_status(args, **env)
+        assert result.returncode == 1 and not workdir.exists()
+        assert (
+            result.stderr.splitlines()[-1]
+            == f"launch_local: {gpus} GPUs do not split evenly over 2 processes"
+        )
+        pytest.skip(
+            f"{gpus} {platform} GPU(s) here do not split over two processes (the one-line error checked)"
+        )
+    out = _run(args, **env)
     lines = [line for line in out.splitlines() if line.startswith("would run:")]
     assert len(lines) == 2, out
-    platform, gpus = launch_local.gpu_platform()
     for i, line in enumerate(lines):
         assert f"JAX_PROCESS_ID={i} " in line and "JAX_NUM_PROCESSES=2 " in line
         if platform is None:

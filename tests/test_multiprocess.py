@@ -10,6 +10,11 @@ environment `fp4jax.launch_local` gives it. Every subprocess has a watchdog (com
 a hang fails the test instead of CI (`_wait`'s deadline, the
 waits' timeouts).
 
+The runs are on CPU devices on every lane (launch_local pins each process to JAX_PLATFORMS=cpu), so the one
+process they are compared with is a CPU run too: the 1 x 8 good run on the CPU lane, and on a GPU lane
+(where the session's good run trained on the GPU, whose GEMMs round otherwise) the same tiny run trained
+by one `python -m fp4jax.train` process on 8 CPU devices (`cpu_good_run`).
+
 Bound on the losses: 2 x 4 sums gradients and amaxes in another order than 1 x 8. Measured on the tiny
 run (fp8_delayed, 6 updates, jax 0.10.2 CPU): the largest relative difference of a logged loss was
 3.3e-5 (update 5), 1.3e-5 for the evaluation; LOSS_RTOL = 1e-4 allows three times that.
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 from long_lane import SLOW
 from tiny_runs import BYTES_CLI, ROOT, cli_args, compare, compilation_cache, once_per_session, xla_cache_env
@@ -66,6 +72,42 @@ def _read(path) -> str:
         return f.read()
 
 
+def _cpu_env(devices: int) -> dict:
+    """The variables that pin one process to `devices` CPU devices, as launch_local sets them."""
+    (only,) = launch_local.plan(1, devices, "", 0)
+    return {k: only.env[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS")}
+
+
+def _train_one_cpu_process(workdir, token_cache, xla_cache):
+    """The tiny run's command line in one process on 8 CPU devices (whatever this lane's devices are)."""
+    log = f"{workdir}.log"
+    env = xla_cache_env(xla_cache) | _cpu_env(8)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BYTES_CLI, *cli_args(workdir, token_cache)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    assert _wait([proc]) == [0], _read(log)[-3000:]
+
+
+@pytest.fixture(scope="session")
+def cpu_good_run(request, tmp_path_factory, token_cache, xla_cache):
+    """The good run's config on 1 process x 8 CPU devices: the good run itself where it trains on the CPU
+    lane's 8 CPU devices, else (a GPU lane) the same run trained once in a CPU process."""
+    if jax.default_backend() == "cpu" and jax.device_count() == 8:
+        return request.getfixturevalue("good_run")
+    with once_per_session(tmp_path_factory, "cpu_good_run") as root:
+        workdir, done = root / "run", root / "done"
+        if not done.exists():
+            shutil.rmtree(workdir, ignore_errors=True)
+            _train_one_cpu_process(workdir, token_cache, xla_cache)
+            done.touch()
+    return workdir
+
+
 @pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory, token_cache, xla_cache):
     """The good run's config on 2 processes x 4 CPU devices (checkpoints 2, 4, 6), shared by the tests
@@ -98,8 +140,8 @@ def test_launcher_dry_run_starts_nothing(tmp_path):
 
 
 @SLOW
-def test_two_processes_match_one_within_the_bound(two_process_run, good_run):
-    two, one = compare(two_process_run), compare(good_run)
+def test_two_processes_match_one_within_the_bound(two_process_run, cpu_good_run):
+    two, one = compare(two_process_run), compare(cpu_good_run)
     assert [(r["step"], r["eval_loss"] is None) for r in two] == [
         (r["step"], r["eval_loss"] is None) for r in one
     ]
@@ -198,12 +240,12 @@ def test_sigterm_stops_every_process_at_one_step_and_resumes_exactly(
 
 
 @pytest.fixture(scope="module")
-def one_to_two_process_continuation(good_run, tmp_path_factory, token_cache, xla_cache):
+def one_to_two_process_continuation(cpu_good_run, tmp_path_factory, token_cache, xla_cache):
     """The 1 x 8 good run's checkpoint 4 continued by 2 processes x 4 devices to update 6, saving after
     every update with synchronous checkpointing (--config.async_checkpointing=False): checkpoints 5 and 6
     are written by 2 processes through orbax's synchronous Checkpointer (its barriers among the
     processes), each manifest by process 0 once `save` returns."""
-    workdir = _copy_until(good_run, tmp_path_factory.mktemp("one_to_two") / "run", 4)
+    workdir = _copy_until(cpu_good_run, tmp_path_factory.mktemp("one_to_two") / "run", 4)
     procs, logs = _start(workdir, token_cache, xla_cache, checkpoint_every_steps=1, async_checkpointing=False)
     assert _wait(procs) == [0, 0], [_read(log)[-2000:] for log in logs]
     return workdir
@@ -211,7 +253,7 @@ def one_to_two_process_continuation(good_run, tmp_path_factory, token_cache, xla
 
 @SLOW
 def test_one_process_checkpoint_continues_on_two_processes_saving_synchronously(
-    one_to_two_process_continuation, good_run
+    one_to_two_process_continuation, cpu_good_run
 ):
     """Checkpoint 4 of the 1 x 8 run restored by 2 processes (its data iterator's state too): updates 5
     and 6 read the same batches, so their losses match the 1 x 8 run's within the bound. The synchronous
@@ -221,7 +263,7 @@ def test_one_process_checkpoint_continues_on_two_processes_saving_synchronously(
     workdir = one_to_two_process_continuation
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_step"] == 4 and summary["steps"] == 6 and summary["devices"] == "8 x cpu"
-    _continues_within_the_bound(workdir, good_run, updates=2)
+    _continues_within_the_bound(workdir, cpu_good_run, updates=2)
     ckpts = workdir / "checkpoints"
     meta = json.loads((ckpts / "6" / "meta" / "metadata").read_text())
     assert meta["config"]["async_checkpointing"] is False  # the flag reached the run
@@ -239,19 +281,16 @@ def test_one_process_checkpoint_continues_on_two_processes_saving_synchronously(
 
 @SLOW
 def test_two_process_checkpoint_continues_on_one_process(
-    one_to_two_process_continuation, good_run, tmp_path, token_cache
+    one_to_two_process_continuation, cpu_good_run, tmp_path, token_cache, xla_cache
 ):
     """Checkpoint 5 of the 2 x 4 continuation (saved synchronously by 2 processes) restored by 1 process x
-    8 devices (its data iterator's state too): update 6 reads the same batch, so its loss matches the
+    8 CPU devices (its data iterator's state too): update 6 reads the same batch, so its loss matches the
     1 x 8 run's within the bound."""
-    from tiny_runs import tiny_config
-
-    from fp4jax.training import trainer
-
     workdir = _copy_until(one_to_two_process_continuation, tmp_path / "run", 5)
-    summary = trainer.train(tiny_config(token_cache), str(workdir))
-    assert summary["resumed_from_step"] == 5 and summary["steps"] == 6
-    _continues_within_the_bound(workdir, good_run, updates=1)
+    _train_one_cpu_process(workdir, token_cache, xla_cache)
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 5 and summary["steps"] == 6 and summary["devices"] == "8 x cpu"
+    _continues_within_the_bound(workdir, cpu_good_run, updates=1)
 
 
 def _copy_until(run, workdir, step: int):
@@ -328,12 +367,12 @@ def _continues_within_the_bound(resumed, good_run, updates: int):
 
 
 @SLOW
-def test_two_process_checkpoint_continues_on_four_processes(four_process_continuation, good_run):
+def test_two_process_checkpoint_continues_on_four_processes(four_process_continuation, cpu_good_run):
     """Restored by 4 processes (its data iterator's state too): updates 5 and 6 read the same batches, so
     their losses match the 1 x 8 run's within the bound."""
     summary = json.loads((four_process_continuation / "summary.json").read_text())
     assert summary["resumed_from_step"] == 4 and summary["steps"] == 6 and summary["devices"] == "8 x cpu"
-    _continues_within_the_bound(four_process_continuation, good_run, updates=2)
+    _continues_within_the_bound(four_process_continuation, cpu_good_run, updates=2)
     state = four_process_continuation / "checkpoints" / "5" / "state"
     assert {f"ocdbt.process_{i}" for i in range(4)} <= set(os.listdir(state))
 
@@ -352,7 +391,7 @@ def _flip_a_byte_of_process_1s_share(step_dir) -> str:
 
 @SLOW
 def test_four_process_checkpoint_continues_on_two_processes_past_a_file_bad_for_one(
-    four_process_continuation, good_run, tmp_path, token_cache, xla_cache
+    four_process_continuation, cpu_good_run, tmp_path, token_cache, xla_cache
 ):
     """The 4-process run's checkpoints restored by 2 processes x 4 devices. Its newest (6) has a flipped
     byte in a file of process 1's share, seen by process 1 only: the verdicts are agreed, so both
@@ -364,7 +403,7 @@ def test_four_process_checkpoint_continues_on_two_processes_past_a_file_bad_for_
     assert _wait(procs) == [0, 0], [_read(log)[-2000:] for log in logs]
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_step"] == 5 and summary["steps"] == 6
-    _continues_within_the_bound(workdir, good_run, updates=1)
+    _continues_within_the_bound(workdir, cpu_good_run, updates=1)
     for log in logs:  # each process says the same about checkpoint 6
         bad_lines = [line for line in _read(log).splitlines() if "is bad:" in line]
         assert len(bad_lines) == 1 and f"/6 is bad: {bad} does not match" in bad_lines[0], bad_lines

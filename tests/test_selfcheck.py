@@ -81,7 +81,8 @@ def test_selfcheck_covers_every_format_by_default(capsys):
     out = capsys.readouterr().out
     for name in selfcheck.FORMAT_RECIPES:
         assert f"recipe {name}:" in out, name
-    assert "DISAGREE" not in out and out.rstrip().endswith("self-check PASSED") and code == 0
+    failed = [line for line in out.splitlines() if "DISAGREE" in line or "FAIL " in line]
+    assert not failed and out.rstrip().endswith("self-check PASSED") and code == 0, "\n".join(failed) or out
 
 
 def test_selfcheck_rejects_bad_arguments():

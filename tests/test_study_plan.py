@@ -187,12 +187,26 @@ def test_runs_share_one_compilation_cache_under_the_root_unless_the_caller_names
     assert plan._env(gate, "runs/x", print)[plan.COMPILE_CACHE_ENV] == "/elsewhere"
 
 
-def test_an_attempt_records_how_many_runs_shared_its_gpu(tiny_plan, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "kind, gpus, sharing",
+    [
+        (None, None, 2),  # a CPU machine: two unpinned runs share it
+        ("cuda", ["0", "0"], 2),  # both slots on GPU 0
+        ("cuda", ["0", "1"], 1),  # a GPU each
+    ],
+    ids=["cpu", "one_gpu_twice", "two_gpus"],
+)
+def test_an_attempt_records_how_many_runs_shared_its_gpu(
+    tiny_plan, tmp_path, monkeypatch, kind, gpus, sharing
+):
+    """Two runs at a time (--parallel 2) on the machine the test says (runner.accelerator_kind), not on the
+    one it runs on: the fake trainers use no device."""
     _fake(monkeypatch, FINISHER)
+    monkeypatch.setattr(runner, "accelerator_kind", lambda: kind)
     root = str(tmp_path / "runs")
-    plan.run_plan(tiny_plan, root, budget_minutes=5, parallel=2, log=lambda line: None)
+    plan.run_plan(tiny_plan, root, budget_minutes=5, parallel=2, gpus=gpus, log=lambda line: None)
     record = runs.read_json(os.path.join(root, "gate", "a", "seed0", "ladder_run.json"))
-    assert [h["runs_per_gpu"] for h in record["history"]] == [2]  # CPU: two runs share the machine
+    assert [h["runs_per_gpu"] for h in record["history"]] == [sharing]
 
 
 @pytest.mark.parametrize(
