@@ -42,6 +42,7 @@ __all__ = [
     "FP8_HISTORY_ROLES",
     "Layout",
     "RotatedOperands",
+    "bind_recipe",
     "from_bcf",
     "from_bfc",
     "make_dot_general",
@@ -420,9 +421,8 @@ def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
 # the custom_vjp
 
 
-def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, precision, out_dtype):
+def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, backend, precision, out_dtype):
     lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
-    backend = backends.resolve_backend(recipe.backend)
     out_bmn = _gemm(
         *to_gemm_view(lhs, lhs_layout),
         *to_gemm_view(rhs, rhs_layout),
@@ -438,20 +438,20 @@ def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, precision, 
     return out_bmn.reshape(out_shape).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, backend, precision, out_dtype):
     fprop_keys = _stage_keys(recipe, key)[0]
-    return _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, precision, out_dtype)
+    return _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, backend, precision, out_dtype)
 
 
-def _mx_dot_fwd(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+def _mx_dot_fwd(lhs, rhs, key, fp8_meta, dims, recipe, backend, precision, out_dtype):
     """The forward, with the backward GEMMs' draws made here with Fprop's (_stage_keys) and saved."""
     fprop_keys, dgrad_keys, wgrad_keys = _stage_keys(recipe, key)
-    out = _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, precision, out_dtype)
+    out = _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, backend, precision, out_dtype)
     return out, (lhs, rhs, (dgrad_keys, wgrad_keys), fp8_meta)
 
 
-def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
+def _mx_dot_bwd(dims, recipe, backend, precision, out_dtype, residuals, g):
     """Dgrad and Wgrad, each re-quantizing its operands along its own contraction axis.
 
     Under delayed FP8 scaling the "cotangent" of fp8_meta is the updated amax histories
@@ -459,7 +459,6 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     """
     lhs, rhs, (dgrad_keys, wgrad_keys), fp8_meta = residuals
     lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
-    backend = backends.resolve_backend(recipe.backend)
     x, x_axis = to_gemm_view(lhs, lhs_layout)
     w, w_axis = to_gemm_view(rhs, rhs_layout)
     dy_bmn = g.reshape(lhs_layout.bfc_shape[:2] + rhs_layout.bfc_shape[1:2])
@@ -512,7 +511,26 @@ def mx_dot_general(
         cotangent is the updated histories (the Flax adapters handle this).
     Returns the product in `preferred_element_type`, else in the promoted input dtype, as lax.dot_general.
     """
-    recipe = get_recipe(recipe)
+    bind = bind_recipe(get_recipe(recipe), key, fp8_meta)
+    return bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding)
+
+
+def _recipe_dot_general(
+    recipe: Recipe,
+    key,
+    fp8_meta,
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision,
+    preferred_element_type,
+    out_sharding,
+) -> jax.Array:
+    """mx_dot_general for a Recipe already looked up (get_recipe once, at the caller's edge).
+
+    The back end is resolved here, once per call (an "auto" one from probes.auto_choice, which
+    execution.resolve_execution settles before anything is traced), and both passes use that answer.
+    """
     if out_sharding is not None:
         raise NotImplementedError("mx_dot_general does not take out_sharding yet: shard its inputs instead")
     if recipe.needs_key and key is None:
@@ -528,7 +546,8 @@ def mx_dot_general(
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
     dims = _normalize_dims(dimension_numbers)
-    return _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
+    backend = backends.resolve_backend(recipe.backend)
+    return _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, backend, precision, out_dtype)
 
 
 def make_dot_general(
@@ -539,21 +558,18 @@ def make_dot_general(
     For `nn.Dense(dot_general=...)` / `nnx.Linear(dot_general=...)`, and the one path by which the Flax
     adapters call `mx_dot_general` (they bind a fresh key and their amax histories per call). For recipes
     that need a key per call, prefer the adapters: a fixed `key` here reuses the same random draws at
-    every step.
+    every step. The recipe is looked up here, once, not again per call.
     """
-    recipe = get_recipe(recipe)
+    return bind_recipe(get_recipe(recipe), key, fp8_meta)
 
-    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-        return mx_dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            recipe=recipe,
-            key=key,
-            fp8_meta=fp8_meta,
-            **kwargs,
-        )
+
+def bind_recipe(recipe: Recipe, key: jax.Array | None = None, fp8_meta: dict[str, jax.Array] | None = None):
+    """make_dot_general for a Recipe already looked up: what the Flax adapters call (no second lookup)."""
+
+    def dot_general(
+        lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None
+    ):
+        args = (lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+        return _recipe_dot_general(recipe, key, fp8_meta, *args)
 
     return dot_general

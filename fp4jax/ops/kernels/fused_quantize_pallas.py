@@ -42,10 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import F32_ABS_MASK, ElemFormat, get_elem_format, require_power_of_two
+from fp4jax.ops.formats import F32_ABS_MASK, ElemFormat, f32_bits, get_elem_format, require_power_of_two
 from fp4jax.ops.kernels import fold, threefry
 from fp4jax.ops.kernels import tile_math as tm
-from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, f32_bits, fold_e2m1_to_e4m3fn, scale_e4m3fn
+from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, fold_e2m1_to_e4m3fn, scale_e4m3fn
 
 __all__ = ["KernelConfig", "Tile", "rotate_quantize_3d"]
 
