@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from fp4jax.ops import nvfp4, quantize
 from fp4jax.ops.kernels import backends, fused_quantize
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
-from fp4jax.ops.rotation import random_signs, rotate_blocks
+from fp4jax.ops.rotation import random_signs
 
 __all__ = [
     "FP8_HISTORY_ROLES",
@@ -199,7 +199,7 @@ def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
 
 
 def _rotation_signs(rotation: RotationSpec, key) -> jax.Array | None:
-    if rotation.kind != "random":
+    if not rotation.implementation.signs:
         return None
     if rotation.signs == "per_run":
         key = jax.random.key(rotation.seed)
@@ -238,7 +238,7 @@ def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, quant
     way the operands are bit for bit the reference path's wherever the rotation's float32 sums are exact
     (tests/test_gemm_operands.py).
     """
-    if spec.kind != "mx" or spec.elem not in fused_quantize.FUSED_ELEMS or quantizer == "reference":
+    if quantizer == "reference" or fused_quantize.fused_refusal(spec, rotation) is not None:
         return None
     impl = fused_quantize.choose_impl(shape, axis, spec, rotation, setting=quantizer)
     # choose_impl falls back to the fused XLA formulation; here only an explicit "xla" gets it.
@@ -259,7 +259,7 @@ def _quantize_side(
         return fused_quantize.rotate_quantize(
             x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl=impl
         )
-    if spec.kind == "fp8" and rotation.kind == "none":
+    if spec.kind == "fp8" and not rotation.rotates:
         # Per-tensor FP8 is elementwise, so it commutes with the transpose. Quantizing first gives each
         # tensor one amax and one cast that XLA's CSE shares between the two GEMMs reading it (x: Fprop
         # and Wgrad, dy: Dgrad and Wgrad, W: Fprop and Dgrad); the transpose then moves FP8 bytes.
@@ -271,9 +271,9 @@ def _quantize_side(
 def _rotated_rows(x, axis: int, rotation: RotationSpec, signs) -> jax.Array:
     """The reference path's operand before quantization: (B, F, C), rotated along C."""
     x = x if axis == -1 else _swap(x)
-    if rotation.kind == "none":
+    if not rotation.rotates:
         return x
-    return rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
+    return rotation.implementation.reference(x, axis=-1, size=rotation.size, signs=signs)
 
 
 class GemmKeys(NamedTuple):

@@ -16,10 +16,12 @@ rung keeps exactly the FP8 baseline's scaling in the stages it leaves in FP8.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from fp4jax.ops.formats import ALL_ELEM_FORMATS, ELEM_FORMATS, require_power_of_two
 from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_ROUNDING_MODES
 from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
+from fp4jax.ops.rotation import rotate_blocks
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
@@ -48,12 +50,14 @@ __all__ = [
     "QUANT_KINDS",
     "RHT16",
     "RHT16_PER_RUN",
+    "ROTATIONS",
     "ROTATION_KINDS",
     "SIGN_POLICIES",
     "WEIGHT_OPERANDS",
     "GemmSpec",
     "QuantSpec",
     "Recipe",
+    "RotationKind",
     "RotationSpec",
     "get_recipe",
     "resolve_recipe",
@@ -73,7 +77,34 @@ FP8_SCALINGS = ("current", "delayed")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The config key `fp8_scaling`: "preset" keeps each preset's own FP8 scaling; the others map onto it.
 FP8_SCALING_MODES = ("preset", "current", "delayed")
-ROTATION_KINDS = ("none", "deterministic", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class RotationKind:
+    """One rotation kind (RotationSpec.kind) and the implementations that run it.
+
+    reference: rotates the reference path's (B, F, C) operand along C in blocks of `size`, as
+    rotation.rotate_blocks(x, axis=-1, size=size, signs=signs) does (None for "none": no rotation).
+    fused: True where the fused quantizer (its XLA formulation and the Pallas kernels,
+    tile_math.hadamard_rotate) computes this rotation; those implement the (signed) Hadamard only, so
+    any other kind is refused there (fused_quantize.fused_refusal) and quantized on the reference path.
+    signs: whether the rotation draws random signs (RotationSpec.signs, seed).
+    """
+
+    name: str
+    reference: Any = None
+    fused: bool = False
+    signs: bool = False
+
+
+# Every rotation kind, with the implementations that support it. A new kind is one entry here (and its
+# reference function); it runs on the reference path only until the fused quantizer implements it.
+ROTATIONS: dict[str, RotationKind] = {
+    "none": RotationKind("none", fused=True),
+    "deterministic": RotationKind("deterministic", rotate_blocks, fused=True),
+    "random": RotationKind("random", rotate_blocks, fused=True, signs=True),
+}
+ROTATION_KINDS = tuple(ROTATIONS)  # the kinds defined here (ROTATIONS may gain more: tests register one)
 SIGN_POLICIES = ("per_call", "per_run")
 BACKENDS = ("auto", "emulate", "native", "fp8")
 # Who quantizes MX operands: "auto" (the fused Pallas kernels where they run, the reference path
@@ -187,18 +218,27 @@ class RotationSpec:
     seed: int = 0
 
     def __post_init__(self):
-        _check_choice(self.kind, ROTATION_KINDS, "rotation kind")
+        _check_choice(self.kind, tuple(ROTATIONS), "rotation kind")
         _check_choice(self.signs, SIGN_POLICIES, "sign policy")
         require_power_of_two(self.size, "rotation size")
 
     @property
+    def implementation(self) -> RotationKind:
+        """The kind's entry in ROTATIONS: which implementations run it."""
+        return ROTATIONS[self.kind]
+
+    @property
+    def rotates(self) -> bool:
+        return self.kind != "none"
+
+    @property
     def needs_key(self) -> bool:
-        return self.kind == "random" and self.signs == "per_call"
+        return self.implementation.signs and self.signs == "per_call"
 
     def length_multiple(self, block_size: int) -> int:
         """What an axis quantized in blocks of `block_size` under this rotation must be a multiple of:
         every MX block and every rotation block must fit whole."""
-        return max(block_size, self.size if self.kind != "none" else 1)
+        return max(block_size, self.size if self.rotates else 1)
 
 
 @dataclasses.dataclass(frozen=True)
