@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4jax.ops import nvfp4, quantize
+from fp4jax.ops import quantize
 from fp4jax.ops.kernels import backends, fused_quantize
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 from fp4jax.ops.rotation import random_signs
@@ -173,29 +173,7 @@ def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
     needed only where the spec rounds stochastically (else None). No rotation: rotated_gemm_operands
     rotates before calling this.
     """
-    if spec.kind == "none":
-        return x
-    if spec.kind == "fp8":
-        return quantize.quantize_fp8(x, elem=spec.elem, scale=fp8_scale)
-    if spec.kind == "nvfp4":
-        if spec.block_2d and x.shape[-2] % spec.block_size:
-            raise ValueError(
-                f"2D NVFP4 tiles need both of the weight's GEMM axes to be multiples of {spec.block_size}; "
-                f"its free axis has {x.shape[-2]}: pad the layer's features or use 1D blocks (block_2d=False)"
-            )
-        return nvfp4.quantize_nvfp4(
-            x, axis=-1, block_2d=spec.block_2d, block_size=spec.block_size, rounding=spec.rounding, key=key
-        )
-    return quantize.quantize_mx(
-        x,
-        axis=-1,
-        elem=spec.elem,
-        block_size=spec.block_size,
-        scale_mode=spec.scale_mode,
-        rounding=spec.rounding,
-        key=key,
-        prescale=spec.prescale,
-    )
+    return spec.quant_kind.quantize(x, spec, key, fp8_scale)
 
 
 def _rotation_signs(rotation: RotationSpec, key) -> jax.Array | None:
@@ -223,7 +201,7 @@ def _dot_precision(gemm: GemmSpec, precision):
     A plain float32 operand times a quantized one is meant to be exact in float32: HIGHEST keeps GPUs from
     rounding it to TF32, which would add an error that is no part of the recipe.
     """
-    plain = (gemm.lhs.kind == "none", gemm.rhs.kind == "none")
+    plain = (not gemm.lhs.quant_kind.quantized, not gemm.rhs.quant_kind.quantized)
     return jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else precision
 
 
@@ -259,7 +237,7 @@ def _quantize_side(
         return fused_quantize.rotate_quantize(
             x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl=impl
         )
-    if spec.kind == "fp8" and not rotation.rotates:
+    if spec.quant_kind.per_tensor and not rotation.rotates:
         # Per-tensor FP8 is elementwise, so it commutes with the transpose. Quantizing first gives each
         # tensor one amax and one cast that XLA's CSE shares between the two GEMMs reading it (x: Fprop
         # and Wgrad, dy: Dgrad and Wgrad, W: Fprop and Dgrad); the transpose then moves FP8 bytes.
@@ -411,7 +389,7 @@ def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
     gemm = getattr(recipe, stage)
     scales = []
     for spec, role in zip((gemm.lhs, gemm.rhs), FP8_HISTORY_ROLES[stage], strict=True):
-        delayed = spec.kind == "fp8" and spec.fp8_scaling == "delayed"
+        delayed = spec.delayed
         algo = recipe.fp8_amax_compute_algo
         scales.append(quantize.fp8_scale_from_history(fp8_meta[role], spec.elem, algo) if delayed else None)
     return tuple(scales)

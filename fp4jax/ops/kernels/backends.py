@@ -299,7 +299,7 @@ def fp8_folds(spec: QuantSpec) -> bool:
     for recipes: quantizer_folds, fp8_unfolded and, through fp8_unfolded, execution's resolved reason and
     the self-check's FP8-GEMM count use it.
     """
-    return spec.kind == "mx" and spec.elem in fold.FOLDED_ELEMS
+    return spec.format is not None and spec.format.backends.get("fp8") == "fold"
 
 
 def fp8_unfolded(recipe: Recipe) -> tuple[QuantSpec, ...]:
@@ -317,7 +317,8 @@ def quantizer_folds(a_spec: QuantSpec, c_spec: QuantSpec, backend: str) -> bool:
     if backend != "fp8" or jnp.dtype(probes.device_fold_dtype()) != jnp.dtype(jnp.float8_e4m3fn):
         return False
     a_fold, c_fold = (fp8_folds(s) for s in (a_spec, c_spec))
-    return _runs_as_fp8(a_fold, c_fold, a_spec.kind == "fp8", c_spec.kind == "fp8", jnp.float8_e4m3fn)
+    a_fp8, c_fp8 = (s.quant_kind.per_tensor for s in (a_spec, c_spec))
+    return _runs_as_fp8(a_fold, c_fold, a_fp8, c_fp8, jnp.float8_e4m3fn)
 
 
 def _fold_or_fp8(x, fp8_dtype):

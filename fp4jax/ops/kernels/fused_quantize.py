@@ -108,7 +108,7 @@ def fused_refusal(spec: QuantSpec, rotation: RotationSpec) -> str | None:
     (recipes.ROTATIONS: the signed Hadamard); a kind written for the reference path alone is refused here,
     never run as a Hadamard. Callers take the reference path on a refusal (quantized_dot._fused_impl).
     """
-    if spec.kind != "mx":
+    if not spec.quant_kind.fused:
         return f"rotate_quantize takes an MX QuantSpec (kind='mx'), got kind={spec.kind!r}"
     if spec.elem not in FUSED_ELEMS:
         return (
