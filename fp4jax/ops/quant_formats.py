@@ -140,36 +140,32 @@ class QuantFormat:
     backends: dict[str, str]
 
 
-_MX_NATIVE = {"native": "native", "emulate": "emulate"}
+def _mx(name: str, elem: str, bits: int, fp8: str) -> QuantFormat:
+    """An MX row: E8M0 scales per 32, scaled_dot on native; `fp8`: "fold" or "emulate" on the fp8 back end."""
+    return QuantFormat(
+        name, "mx", elem, 32, "E8M0", None, bits, {"native": "native", "fp8": fp8, "emulate": "emulate"}
+    )
+
+
+def _fp8(name: str, elem: str) -> QuantFormat:
+    """A per-tensor FP8 row: one float32 scale; an FP8 GEMM on every back end."""
+    return QuantFormat(
+        name, "fp8", elem, None, "float32", None, 8, {"native": "fp8", "fp8": "fp8", "emulate": "fp8"}
+    )
+
+
+_NVFP4_BACKENDS = {"native": "native", "fp8": "emulate", "emulate": "emulate"}
 FORMATS: dict[str, QuantFormat] = {
     f.name: f
     for f in (
-        QuantFormat("MXFP4", "mx", "e2m1", 32, "E8M0", None, 4, {**_MX_NATIVE, "fp8": "fold"}),
-        QuantFormat("MXFP6_E2M3", "mx", "e2m3", 32, "E8M0", None, 6, {**_MX_NATIVE, "fp8": "fold"}),
-        QuantFormat("MXFP6_E3M2", "mx", "e3m2", 32, "E8M0", None, 6, {**_MX_NATIVE, "fp8": "emulate"}),
-        QuantFormat("MXFP8_E4M3", "mx", "e4m3", 32, "E8M0", None, 8, {**_MX_NATIVE, "fp8": "emulate"}),
-        QuantFormat("MXFP8_E5M2", "mx", "e5m2", 32, "E8M0", None, 8, {**_MX_NATIVE, "fp8": "emulate"}),
-        QuantFormat("NVFP4", "nvfp4", "e2m1", 16, "E4M3", "float32", 4, {**_MX_NATIVE, "fp8": "emulate"}),
-        QuantFormat(
-            "FP8_E4M3",
-            "fp8",
-            "e4m3",
-            None,
-            "float32",
-            None,
-            8,
-            {"native": "fp8", "fp8": "fp8", "emulate": "fp8"},
-        ),
-        QuantFormat(
-            "FP8_E5M2",
-            "fp8",
-            "e5m2",
-            None,
-            "float32",
-            None,
-            8,
-            {"native": "fp8", "fp8": "fp8", "emulate": "fp8"},
-        ),
+        _mx("MXFP4", "e2m1", 4, "fold"),
+        _mx("MXFP6_E2M3", "e2m3", 6, "fold"),
+        _mx("MXFP6_E3M2", "e3m2", 6, "emulate"),
+        _mx("MXFP8_E4M3", "e4m3", 8, "emulate"),
+        _mx("MXFP8_E5M2", "e5m2", 8, "emulate"),
+        QuantFormat("NVFP4", "nvfp4", "e2m1", 16, "E4M3", "float32", 4, _NVFP4_BACKENDS),
+        _fp8("FP8_E4M3", "e4m3"),
+        _fp8("FP8_E5M2", "e5m2"),
     )
 }
 _BY_KIND_ELEM = {(f.kind, f.elem): f for f in FORMATS.values()}
