@@ -44,6 +44,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from fp4jax.ops import QuantDotGeneral, get_recipe
+from fp4jax.ops.kernels import probes
 
 __all__ = [
     "ACT_BTD",
@@ -231,11 +232,8 @@ def apply_rope(x_BTNH: jax.Array, cos_TR: jax.Array, sin_TR: jax.Array) -> jax.A
 
 
 def _on_nvidia_gpu() -> bool:
-    device = jax.devices()[0]
-    if device.platform not in ("gpu", "cuda"):
-        return False
-    version = getattr(device.client, "platform_version", "").lower()
-    return "cuda" in version or "nvidia" in device.device_kind.lower()
+    """Whether the default device is an NVIDIA GPU: the library's one rule (probes.on_nvidia_gpu)."""
+    return probes.on_nvidia_gpu()
 
 
 def attention_implementation(option: str, dtype: Any, head_dim: int) -> str:

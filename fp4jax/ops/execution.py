@@ -46,7 +46,7 @@ def _quantizer_runs(recipe: Recipe) -> str:
 
 def _kernel_extras(recipe: Recipe) -> str:
     """What the kernels do for this recipe beyond nearest rounding, as a parenthesis (or nothing)."""
-    mx = [s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "mx"]
+    mx = [s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.quant_kind.fused]
     extras = []
     if any(s.rounding == "stochastic" for s in mx):
         extras.append(

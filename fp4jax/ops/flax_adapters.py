@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from fp4jax.ops.quantized_dot import make_dot_general
+from fp4jax.ops.quantized_dot import bind_recipe
 from fp4jax.ops.recipes import Recipe, get_recipe
 
 __all__ = [
@@ -55,7 +55,7 @@ class QuantDotGeneral(nn.Module):
     def __call__(self, lhs, rhs, *args, **kwargs):
         """lax.dot_general's signature: (lhs, rhs, dimension_numbers, precision, preferred_element_type)."""
         recipe = get_recipe(self.recipe)
-        dot_general = make_dot_general(recipe, key=self._key(recipe), fp8_meta=self._fp8_meta(recipe))
+        dot_general = bind_recipe(recipe, key=self._key(recipe), fp8_meta=self._fp8_meta(recipe))
         return dot_general(lhs, rhs, *args, **kwargs)
 
     def _key(self, recipe: Recipe):
@@ -103,4 +103,4 @@ class NnxQuantDotGeneral(nnx.Module):
     def __call__(self, lhs, rhs, *args, **kwargs) -> Any:
         """lax.dot_general's signature: (lhs, rhs, dimension_numbers, precision, preferred_element_type)."""
         key = self.rngs[self.rng_stream]() if self.recipe.needs_key else None
-        return make_dot_general(self.recipe, key=key)(lhs, rhs, *args, **kwargs)
+        return bind_recipe(self.recipe, key=key)(lhs, rhs, *args, **kwargs)

@@ -45,6 +45,8 @@ __all__ = [
     "SCALE_NAN_BITS",
     "ElemFormat",
     "divide_nearest_even",
+    "f32_bits",
+    "f32_from_bits",
     "float8_to_float32",
     "get_elem_format",
     "require_power_of_two",
@@ -63,6 +65,17 @@ F32_ABS_MASK = 0x7FFFFFFF
 F32_SIGN_MASK = -0x80000000  # 0x80000000 as an int32
 F32_INF_BITS = 0x7F800000
 F32_MIN_NORMAL_BITS = 0x00800000  # 2^-126, the smallest normal float32
+
+
+def f32_bits(x: jax.Array) -> jax.Array:
+    """The int32 bit pattern of x as float32 (x is cast to float32 first; a no-op for float32 tracers, so
+    the Pallas kernels use it too)."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def f32_from_bits(bits: jax.Array) -> jax.Array:
+    """The float32 whose bit pattern is `bits` (cast to int32 first): the inverse of f32_bits."""
+    return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +192,7 @@ def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Arr
     a = jnp.asarray(numerator, jnp.float32)
     b = jnp.asarray(denominator, jnp.float32)
     a, b = jnp.broadcast_arrays(a, b)
-    a_bits = lax.bitcast_convert_type(a, jnp.int32)
-    b_bits = lax.bitcast_convert_type(b, jnp.int32)
+    a_bits, b_bits = f32_bits(a), f32_bits(b)
     a_abs, b_abs = a_bits & F32_ABS_MASK, b_bits & F32_ABS_MASK
     a_field, b_field = (a_bits >> 23) & 0xFF, (b_bits >> 23) & 0xFF  # biased exponents; 0: zero (flushed)
     a_sig = (a_bits & F32_MANTISSA_MASK) | 0x800000
@@ -223,4 +235,4 @@ def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Arr
     magnitude_bits = jnp.where(a_zero | b_inf, 0, magnitude_bits)
     sign = (a_bits ^ b_bits) & F32_SIGN_MASK
     bits = jnp.where(nan, 0x7FC00000, magnitude_bits | sign)
-    return lax.bitcast_convert_type(bits, jnp.float32)
+    return f32_from_bits(bits)

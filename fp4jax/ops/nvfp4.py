@@ -40,6 +40,8 @@ from fp4jax.ops.formats import (
     F32_INF_BITS,
     F32_MIN_NORMAL_BITS,
     F32_SIGN_MASK,
+    f32_bits,
+    f32_from_bits,
     require_power_of_two,
 )
 from fp4jax.ops.quantize import round_to_grid, stochastic_bits
@@ -63,14 +65,10 @@ _RCP_6 = float(np.float32(1.0 / 6.0))  # TE folds float32(1/6) into S_enc rather
 _E4M3_NAN_BITS = 0x7F
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(x, jnp.int32)
-
-
 def flush_subnormal(v: jax.Array) -> jax.Array:
     """v with float32 subnormals replaced by a zero of their sign (what flush-to-zero does, made explicit)."""
-    bits = _bits(v)
-    signed_zero = lax.bitcast_convert_type(bits & F32_SIGN_MASK, jnp.float32)
+    bits = f32_bits(v)
+    signed_zero = f32_from_bits(bits & F32_SIGN_MASK)
     return jnp.where((bits & F32_ABS_MASK) < F32_MIN_NORMAL_BITS, signed_zero, v)
 
 
@@ -198,7 +196,7 @@ def quantize_nvfp4(
     x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     blocks, block_axes = _to_blocks(x_last, block_size, block_2d)
 
-    abs_bits = _bits(blocks) & F32_ABS_MASK
+    abs_bits = f32_bits(blocks) & F32_ABS_MASK
     finite = abs_bits < F32_INF_BITS
     healthy = jnp.all(finite, axis=block_axes, keepdims=True)
     xs = flush_subnormal(jnp.where(finite, blocks, 0.0))
@@ -212,7 +210,7 @@ def quantize_nvfp4(
     if rounding == "stochastic":
         random_bits = stochastic_bits(key, x_last.shape).reshape(blocks.shape)
     magnitude = round_to_grid(y, formats.E2M1, rounding, random_bits=random_bits)
-    signed = jnp.where(_bits(xs) < 0, -magnitude, magnitude)
+    signed = jnp.where(f32_bits(xs) < 0, -magnitude, magnitude)
     data = jnp.where(healthy, signed, 0.0).astype(formats.E2M1.dtype)
 
     scale_bits = jnp.where(healthy, lax.bitcast_convert_type(s_b, jnp.uint8), jnp.uint8(_E4M3_NAN_BITS))

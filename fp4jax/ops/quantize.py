@@ -27,6 +27,8 @@ from fp4jax.ops.formats import (
     F32_MANTISSA_MASK,
     F32_SIGN_MASK,
     ElemFormat,
+    f32_bits,
+    f32_from_bits,
     float8_to_float32,
     get_elem_format,
 )
@@ -60,17 +62,9 @@ _EVEN_ROUND_BIT = 0x200000  # 2^21: rounds a float32 significand to 2 significan
 # float32 bit helpers
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-
-
-def _from_bits(bits: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
-
-
 def pow2(k: jax.Array | int) -> jax.Array:
     """Exactly 2^k as float32, for integer k in [-126, 127] (the normal range), built from bits."""
-    return _from_bits((jnp.asarray(k, jnp.int32) + 127) << 23)
+    return f32_from_bits((jnp.asarray(k, jnp.int32) + 127) << 23)
 
 
 def _floor_log2(abs_bits: jax.Array) -> jax.Array:
@@ -85,7 +79,7 @@ def _mul_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
     it. Results below 2^-104 come back as (signed) zero: they lie far below half of the smallest
     element of every format here, so they round to zero anyway.
     """
-    bits = _bits(x)
+    bits = f32_bits(x)
     is_subnormal = ((bits >> 23) & 0xFF) == 0
     significand = (bits & F32_MANTISSA_MASK).astype(jnp.float32)  # the subnormal's value is this * 2^-149
     from_subnormal = jnp.where(k >= 23, significand * pow2(jnp.maximum(k - 149, -126)), 0.0)
@@ -99,7 +93,7 @@ def ldexp_exact(v: jax.Array, k: jax.Array) -> jax.Array:
     Exact whenever v * 2^k is representable, subnormal results included (the bits shifted out are then
     zero); that holds for every MX element times an E8M0 scale. Overflow gives +-inf.
     """
-    bits = _bits(v)
+    bits = f32_bits(v)
     sign = bits & F32_SIGN_MASK
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & F32_MANTISSA_MASK
@@ -109,7 +103,7 @@ def ldexp_exact(v: jax.Array, k: jax.Array) -> jax.Array:
     subnormal = sign | ((mantissa | 0x800000) >> shift)
     out = jnp.where(new_exponent >= 1, normal, subnormal)
     out = jnp.where(new_exponent >= 255, sign | F32_INF_BITS, out)
-    return _from_bits(jnp.where(exponent == 0, bits, out))
+    return f32_from_bits(jnp.where(exponent == 0, bits, out))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -142,7 +136,7 @@ def round_to_grid(
     fused quantizer's kernels call this same function on their tiles with the same bits, which they
     draw themselves by threefry's counter formula or read from XLA (kernels/fused_quantize.py).
     """
-    q = jnp.maximum(_floor_log2(_bits(abs_y)), fmt.emin)
+    q = jnp.maximum(_floor_log2(f32_bits(abs_y)), fmt.emin)
     units = abs_y * pow2(fmt.mantissa_bits - q)
     if rounding == "nearest_even":
         units = lax.round(units, lax.RoundingMethod.TO_NEAREST_EVEN)
@@ -163,7 +157,7 @@ def round_to_grid(
 
 def _with_sign(magnitude: jax.Array, x: jax.Array) -> jax.Array:
     """Applies x's sign bit to a magnitude, so a negative value that rounds to zero gives -0."""
-    return jnp.where(_bits(x) < 0, -magnitude, magnitude)
+    return jnp.where(f32_bits(x) < 0, -magnitude, magnitude)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -302,7 +296,7 @@ def quantize_mx(
     x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     blocks = x_last.reshape(*x_last.shape[:-1], -1, block_size)
     # Integer max of magnitude bits: exact, immune to flush-to-zero, and NaN/Inf sort above every finite.
-    amax_bits = jnp.max(_bits(blocks) & F32_ABS_MASK, axis=-1, keepdims=True)
+    amax_bits = jnp.max(f32_bits(blocks) & F32_ABS_MASK, axis=-1, keepdims=True)
     finite = amax_bits < F32_INF_BITS
     exponent = scale_exponent(jnp.where(finite, amax_bits, 0), fmt, scale_mode)
 

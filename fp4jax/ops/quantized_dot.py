@@ -33,15 +33,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4jax.ops import nvfp4, quantize
+from fp4jax.ops import quantize
 from fp4jax.ops.kernels import backends, fused_quantize
 from fp4jax.ops.recipes import GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
-from fp4jax.ops.rotation import random_signs, rotate_blocks
+from fp4jax.ops.rotation import random_signs
 
 __all__ = [
     "FP8_HISTORY_ROLES",
     "Layout",
     "RotatedOperands",
+    "bind_recipe",
     "from_bcf",
     "from_bfc",
     "make_dot_general",
@@ -172,33 +173,11 @@ def quantize_operand(x: jax.Array, spec: QuantSpec, key, fp8_scale):
     needed only where the spec rounds stochastically (else None). No rotation: rotated_gemm_operands
     rotates before calling this.
     """
-    if spec.kind == "none":
-        return x
-    if spec.kind == "fp8":
-        return quantize.quantize_fp8(x, elem=spec.elem, scale=fp8_scale)
-    if spec.kind == "nvfp4":
-        if spec.block_2d and x.shape[-2] % spec.block_size:
-            raise ValueError(
-                f"2D NVFP4 tiles need both of the weight's GEMM axes to be multiples of {spec.block_size}; "
-                f"its free axis has {x.shape[-2]}: pad the layer's features or use 1D blocks (block_2d=False)"
-            )
-        return nvfp4.quantize_nvfp4(
-            x, axis=-1, block_2d=spec.block_2d, block_size=spec.block_size, rounding=spec.rounding, key=key
-        )
-    return quantize.quantize_mx(
-        x,
-        axis=-1,
-        elem=spec.elem,
-        block_size=spec.block_size,
-        scale_mode=spec.scale_mode,
-        rounding=spec.rounding,
-        key=key,
-        prescale=spec.prescale,
-    )
+    return spec.quant_kind.quantize(x, spec, key, fp8_scale)
 
 
 def _rotation_signs(rotation: RotationSpec, key) -> jax.Array | None:
-    if rotation.kind != "random":
+    if not rotation.implementation.signs:
         return None
     if rotation.signs == "per_run":
         key = jax.random.key(rotation.seed)
@@ -222,7 +201,7 @@ def _dot_precision(gemm: GemmSpec, precision):
     A plain float32 operand times a quantized one is meant to be exact in float32: HIGHEST keeps GPUs from
     rounding it to TF32, which would add an error that is no part of the recipe.
     """
-    plain = (gemm.lhs.kind == "none", gemm.rhs.kind == "none")
+    plain = (not gemm.lhs.quant_kind.quantized, not gemm.rhs.quant_kind.quantized)
     return jax.lax.Precision.HIGHEST if plain in ((True, False), (False, True)) else precision
 
 
@@ -237,7 +216,7 @@ def _fused_impl(shape, axis: int, spec: QuantSpec, rotation: RotationSpec, quant
     way the operands are bit for bit the reference path's wherever the rotation's float32 sums are exact
     (tests/test_gemm_operands.py).
     """
-    if spec.kind != "mx" or spec.elem not in fused_quantize.FUSED_ELEMS or quantizer == "reference":
+    if quantizer == "reference" or fused_quantize.fused_refusal(spec, rotation) is not None:
         return None
     impl = fused_quantize.choose_impl(shape, axis, spec, rotation, setting=quantizer)
     # choose_impl falls back to the fused XLA formulation; here only an explicit "xla" gets it.
@@ -258,7 +237,7 @@ def _quantize_side(
         return fused_quantize.rotate_quantize(
             x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl=impl
         )
-    if spec.kind == "fp8" and rotation.kind == "none":
+    if spec.quant_kind.per_tensor and not rotation.rotates:
         # Per-tensor FP8 is elementwise, so it commutes with the transpose. Quantizing first gives each
         # tensor one amax and one cast that XLA's CSE shares between the two GEMMs reading it (x: Fprop
         # and Wgrad, dy: Dgrad and Wgrad, W: Fprop and Dgrad); the transpose then moves FP8 bytes.
@@ -270,9 +249,9 @@ def _quantize_side(
 def _rotated_rows(x, axis: int, rotation: RotationSpec, signs) -> jax.Array:
     """The reference path's operand before quantization: (B, F, C), rotated along C."""
     x = x if axis == -1 else _swap(x)
-    if rotation.kind == "none":
+    if not rotation.rotates:
         return x
-    return rotate_blocks(x, axis=-1, size=rotation.size, signs=signs)
+    return rotation.implementation.reference(x, axis=-1, size=rotation.size, signs=signs)
 
 
 class GemmKeys(NamedTuple):
@@ -410,7 +389,7 @@ def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
     gemm = getattr(recipe, stage)
     scales = []
     for spec, role in zip((gemm.lhs, gemm.rhs), FP8_HISTORY_ROLES[stage], strict=True):
-        delayed = spec.kind == "fp8" and spec.fp8_scaling == "delayed"
+        delayed = spec.delayed
         algo = recipe.fp8_amax_compute_algo
         scales.append(quantize.fp8_scale_from_history(fp8_meta[role], spec.elem, algo) if delayed else None)
     return tuple(scales)
@@ -420,9 +399,8 @@ def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
 # the custom_vjp
 
 
-def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, precision, out_dtype):
+def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, backend, precision, out_dtype):
     lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
-    backend = backends.resolve_backend(recipe.backend)
     out_bmn = _gemm(
         *to_gemm_view(lhs, lhs_layout),
         *to_gemm_view(rhs, rhs_layout),
@@ -438,20 +416,20 @@ def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, precision, 
     return out_bmn.reshape(out_shape).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, backend, precision, out_dtype):
     fprop_keys = _stage_keys(recipe, key)[0]
-    return _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, precision, out_dtype)
+    return _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, backend, precision, out_dtype)
 
 
-def _mx_dot_fwd(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype):
+def _mx_dot_fwd(lhs, rhs, key, fp8_meta, dims, recipe, backend, precision, out_dtype):
     """The forward, with the backward GEMMs' draws made here with Fprop's (_stage_keys) and saved."""
     fprop_keys, dgrad_keys, wgrad_keys = _stage_keys(recipe, key)
-    out = _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, precision, out_dtype)
+    out = _forward(lhs, rhs, fprop_keys, fp8_meta, dims, recipe, backend, precision, out_dtype)
     return out, (lhs, rhs, (dgrad_keys, wgrad_keys), fp8_meta)
 
 
-def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
+def _mx_dot_bwd(dims, recipe, backend, precision, out_dtype, residuals, g):
     """Dgrad and Wgrad, each re-quantizing its operands along its own contraction axis.
 
     Under delayed FP8 scaling the "cotangent" of fp8_meta is the updated amax histories
@@ -459,7 +437,6 @@ def _mx_dot_bwd(dims, recipe, precision, out_dtype, residuals, g):
     """
     lhs, rhs, (dgrad_keys, wgrad_keys), fp8_meta = residuals
     lhs_layout, rhs_layout = operand_layouts(lhs.shape, rhs.shape, dims)
-    backend = backends.resolve_backend(recipe.backend)
     x, x_axis = to_gemm_view(lhs, lhs_layout)
     w, w_axis = to_gemm_view(rhs, rhs_layout)
     dy_bmn = g.reshape(lhs_layout.bfc_shape[:2] + rhs_layout.bfc_shape[1:2])
@@ -512,7 +489,26 @@ def mx_dot_general(
         cotangent is the updated histories (the Flax adapters handle this).
     Returns the product in `preferred_element_type`, else in the promoted input dtype, as lax.dot_general.
     """
-    recipe = get_recipe(recipe)
+    bind = bind_recipe(get_recipe(recipe), key, fp8_meta)
+    return bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding)
+
+
+def _recipe_dot_general(
+    recipe: Recipe,
+    key,
+    fp8_meta,
+    lhs,
+    rhs,
+    dimension_numbers,
+    precision,
+    preferred_element_type,
+    out_sharding,
+) -> jax.Array:
+    """mx_dot_general for a Recipe already looked up (get_recipe once, at the caller's edge).
+
+    The back end is resolved here, once per call (an "auto" one from probes.auto_choice, which
+    execution.resolve_execution settles before anything is traced), and both passes use that answer.
+    """
     if out_sharding is not None:
         raise NotImplementedError("mx_dot_general does not take out_sharding yet: shard its inputs instead")
     if recipe.needs_key and key is None:
@@ -528,7 +524,8 @@ def mx_dot_general(
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype))
     dims = _normalize_dims(dimension_numbers)
-    return _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, precision, out_dtype)
+    backend = backends.resolve_backend(recipe.backend)
+    return _mx_dot(lhs, rhs, key, fp8_meta, dims, recipe, backend, precision, out_dtype)
 
 
 def make_dot_general(
@@ -539,21 +536,18 @@ def make_dot_general(
     For `nn.Dense(dot_general=...)` / `nnx.Linear(dot_general=...)`, and the one path by which the Flax
     adapters call `mx_dot_general` (they bind a fresh key and their amax histories per call). For recipes
     that need a key per call, prefer the adapters: a fixed `key` here reuses the same random draws at
-    every step.
+    every step. The recipe is looked up here, once, not again per call.
     """
-    recipe = get_recipe(recipe)
+    return bind_recipe(get_recipe(recipe), key, fp8_meta)
 
-    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-        return mx_dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision,
-            preferred_element_type,
-            recipe=recipe,
-            key=key,
-            fp8_meta=fp8_meta,
-            **kwargs,
-        )
+
+def bind_recipe(recipe: Recipe, key: jax.Array | None = None, fp8_meta: dict[str, jax.Array] | None = None):
+    """make_dot_general for a Recipe already looked up: what the Flax adapters call (no second lookup)."""
+
+    def dot_general(
+        lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None
+    ):
+        args = (lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding)
+        return _recipe_dot_general(recipe, key, fp8_meta, *args)
 
     return dot_general

@@ -16,10 +16,13 @@ rung keeps exactly the FP8 baseline's scaling in the stages it leaves in FP8.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from fp4jax.ops.formats import ALL_ELEM_FORMATS, ELEM_FORMATS, require_power_of_two
-from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_ROUNDING_MODES
+from fp4jax.ops import quant_formats
+from fp4jax.ops.formats import ALL_ELEM_FORMATS, require_power_of_two
+from fp4jax.ops.quant_formats import KINDS, QuantFormat, QuantKind
 from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
+from fp4jax.ops.rotation import rotate_blocks
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
@@ -48,12 +51,14 @@ __all__ = [
     "QUANT_KINDS",
     "RHT16",
     "RHT16_PER_RUN",
+    "ROTATIONS",
     "ROTATION_KINDS",
     "SIGN_POLICIES",
     "WEIGHT_OPERANDS",
     "GemmSpec",
     "QuantSpec",
     "Recipe",
+    "RotationKind",
     "RotationSpec",
     "get_recipe",
     "resolve_recipe",
@@ -62,18 +67,45 @@ __all__ = [
 
 
 GEMMS = ("fprop", "dgrad", "wgrad")  # a Recipe's three GemmSpec fields, in Recipe.gemms order
-QUANT_KINDS = ("none", "mx", "fp8", "nvfp4")
+QUANT_KINDS = tuple(KINDS)  # the kinds of quant_formats.KINDS, the table each operand's kind is looked up in
 # The kinds quantized in blocks along the contraction axis (their block size pads it).
-BLOCK_KINDS = ("mx", "nvfp4")
+BLOCK_KINDS = tuple(name for name, kind in KINDS.items() if kind.blocked)
 # The operands that are the weight W, as (GEMM, side): the only ones that may take 2D NVFP4 blocks.
 WEIGHT_OPERANDS = (("fprop", "rhs"), ("dgrad", "rhs"))
 # Per-tensor FP8 elements; MX operands take any of formats.ALL_ELEM_FORMATS (E2M1, E2M3, E3M2, E4M3, E5M2).
-FP8_ELEMS = tuple(name for name in ELEM_FORMATS if name != "e2m1")
+FP8_ELEMS = quant_formats.FP8_ELEMS
 FP8_SCALINGS = ("current", "delayed")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The config key `fp8_scaling`: "preset" keeps each preset's own FP8 scaling; the others map onto it.
 FP8_SCALING_MODES = ("preset", "current", "delayed")
-ROTATION_KINDS = ("none", "deterministic", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class RotationKind:
+    """One rotation kind (RotationSpec.kind) and the implementations that run it.
+
+    reference: rotates the reference path's (B, F, C) operand along C in blocks of `size`, as
+    rotation.rotate_blocks(x, axis=-1, size=size, signs=signs) does (None for "none": no rotation).
+    fused: True where the fused quantizer (its XLA formulation and the Pallas kernels,
+    tile_math.hadamard_rotate) computes this rotation; those implement the (signed) Hadamard only, so
+    any other kind is refused there (fused_quantize.fused_refusal) and quantized on the reference path.
+    signs: whether the rotation draws random signs (RotationSpec.signs, seed).
+    """
+
+    name: str
+    reference: Any = None
+    fused: bool = False
+    signs: bool = False
+
+
+# Every rotation kind, with the implementations that support it. A new kind is one entry here (and its
+# reference function); it runs on the reference path only until the fused quantizer implements it.
+ROTATIONS: dict[str, RotationKind] = {
+    "none": RotationKind("none", fused=True),
+    "deterministic": RotationKind("deterministic", rotate_blocks, fused=True),
+    "random": RotationKind("random", rotate_blocks, fused=True, signs=True),
+}
+ROTATION_KINDS = tuple(ROTATIONS)  # the kinds defined here (ROTATIONS may gain more: tests register one)
 SIGN_POLICIES = ("per_call", "per_run")
 BACKENDS = ("auto", "emulate", "native", "fp8")
 # Who quantizes MX operands: "auto" (the fused Pallas kernels where they run, the reference path
@@ -122,7 +154,7 @@ class QuantSpec:
     def __post_init__(self):
         _check_choice(self.kind, QUANT_KINDS, "quantization kind")
         if self.block_size is None:
-            object.__setattr__(self, "block_size", NVFP4_BLOCK_SIZE if self.kind == "nvfp4" else 32)
+            object.__setattr__(self, "block_size", self.quant_kind.default_block_size)
         _check_choice(self.elem, tuple(ALL_ELEM_FORMATS), "element format")
         _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
         _check_choice(self.rounding, ROUNDING_MODES, "rounding")
@@ -130,41 +162,33 @@ class QuantSpec:
         require_power_of_two(self.block_size, "block_size")
         if not 0 < self.prescale <= 1:
             raise ValueError(f"prescale must lie in (0, 1], got {self.prescale!r}")
-        if self.prescale != 1 and self.kind != "mx":
+        if self.prescale != 1 and not self.quant_kind.prescale:
             raise ValueError("prescale applies to MX operands only (kind='mx')")
-        if self.kind == "fp8" and self.elem not in FP8_ELEMS:
-            raise ValueError(f"an fp8 operand needs elem 'e4m3' or 'e5m2', not {self.elem!r}")
-        if self.kind == "fp8" and self.rounding != "nearest_even":
-            raise ValueError("fp8 per-tensor operands round half-to-even only")
         if not isinstance(self.block_2d, bool):
             raise ValueError(f"block_2d must be True or False, got {self.block_2d!r}")
-        if self.block_2d and self.kind != "nvfp4":
+        if self.block_2d and not self.quant_kind.block_2d:
             raise ValueError(f"block_2d (16 x 16 tiles) applies to NVFP4 operands only, not {self.kind!r}")
-        if self.kind == "nvfp4":
-            self._check_nvfp4()
+        self.quant_kind.check(self)
 
-    def _check_nvfp4(self) -> None:
-        if self.elem != "e2m1":
-            raise ValueError(f"NVFP4 elements are E2M1: drop elem={self.elem!r} (or use kind='mx' for it)")
-        if self.block_size != NVFP4_BLOCK_SIZE:
-            raise ValueError(
-                f"NVFP4 blocks are {NVFP4_BLOCK_SIZE} elements, got block_size={self.block_size}: "
-                f"drop block_size (or use kind='mx' for blocks of {self.block_size})"
-            )
-        if self.rounding not in NVFP4_ROUNDING_MODES:
-            raise ValueError(
-                f"NVFP4 rounds {' or '.join(NVFP4_ROUNDING_MODES)}, not {self.rounding!r}: choose one of them"
-            )
-        if self.scale_mode != "floor":
-            raise ValueError(
-                f"scale_mode={self.scale_mode!r} is an MX scale rule; NVFP4 block scales are E4M3 under a "
-                "per-tensor scale (docs/numerics.md): drop scale_mode"
-            )
+    @property
+    def quant_kind(self) -> QuantKind:
+        """The kind's entry in the format table (quant_formats.KINDS): its quantizer and what it takes."""
+        return KINDS[self.kind]
+
+    @property
+    def format(self) -> QuantFormat | None:
+        """The named format (quant_formats.FORMATS) this spec quantizes to; None when unquantized."""
+        return quant_formats.format_of(self)
 
     @property
     def blocked(self) -> bool:
         """True for the kinds quantized in blocks along the contraction axis (mx, nvfp4)."""
-        return self.kind in BLOCK_KINDS
+        return self.quant_kind.blocked
+
+    @property
+    def delayed(self) -> bool:
+        """True for a per-tensor operand scaled from amax histories (delayed FP8 scaling)."""
+        return self.quant_kind.delayed_scaling and self.fp8_scaling == "delayed"
 
     @property
     def needs_key(self) -> bool:
@@ -187,18 +211,27 @@ class RotationSpec:
     seed: int = 0
 
     def __post_init__(self):
-        _check_choice(self.kind, ROTATION_KINDS, "rotation kind")
+        _check_choice(self.kind, tuple(ROTATIONS), "rotation kind")
         _check_choice(self.signs, SIGN_POLICIES, "sign policy")
         require_power_of_two(self.size, "rotation size")
 
     @property
+    def implementation(self) -> RotationKind:
+        """The kind's entry in ROTATIONS: which implementations run it."""
+        return ROTATIONS[self.kind]
+
+    @property
+    def rotates(self) -> bool:
+        return self.kind != "none"
+
+    @property
     def needs_key(self) -> bool:
-        return self.kind == "random" and self.signs == "per_call"
+        return self.implementation.signs and self.signs == "per_call"
 
     def length_multiple(self, block_size: int) -> int:
         """What an axis quantized in blocks of `block_size` under this rotation must be a multiple of:
         every MX block and every rotation block must fit whole."""
-        return max(block_size, self.size if self.kind != "none" else 1)
+        return max(block_size, self.size if self.rotates else 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +304,7 @@ class Recipe:
     @property
     def uses_delayed_fp8(self) -> bool:
         """True when some operand uses delayed FP8 scaling (its amax histories are layer state)."""
-        return any(s.kind == "fp8" and s.fp8_scaling == "delayed" for g in self.gemms for s in (g.lhs, g.rhs))
+        return any(s.delayed for g in self.gemms for s in (g.lhs, g.rhs))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -443,11 +476,13 @@ def with_fp8_scaling(recipe: str | Recipe, mode: str) -> Recipe:
     """
     _check_choice(mode, FP8_SCALING_MODES, "fp8_scaling")
     recipe = get_recipe(recipe)
-    if mode == "preset" or not any(s.kind == "fp8" for g in recipe.gemms for s in (g.lhs, g.rhs)):
+    if mode == "preset" or not any(
+        s.quant_kind.delayed_scaling for g in recipe.gemms for s in (g.lhs, g.rhs)
+    ):
         return recipe
 
     def spec(s: QuantSpec) -> QuantSpec:
-        return dataclasses.replace(s, fp8_scaling=mode) if s.kind == "fp8" else s
+        return dataclasses.replace(s, fp8_scaling=mode) if s.quant_kind.delayed_scaling else s
 
     gemms = {
         stage: dataclasses.replace(g, lhs=spec(g.lhs), rhs=spec(g.rhs))

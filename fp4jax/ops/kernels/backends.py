@@ -41,6 +41,7 @@ from fp4jax.ops import nvfp4
 from fp4jax.ops.formats import divide_nearest_even, float8_to_float32
 from fp4jax.ops.kernels import fold, probes
 from fp4jax.ops.kernels.probes import (
+    BMK_BNK,
     NATIVE_BLOCK_SIZE,
     NATIVE_ELEMENT_TYPES,
     NATIVE_K_MULTIPLE,
@@ -63,10 +64,6 @@ __all__ = [
     "quantizer_folds",
     "resolve_backend",
 ]
-
-# Contract the last axis of both operands, batch over the first.
-_BMK_BNK = (((2,), (2,)), ((0,), (0,)))
-
 
 # ----------------------------------------------------------------------------------------------------
 # which back end, on which device
@@ -170,7 +167,7 @@ def _emulate_nvfp4(a, c, precision) -> jax.Array:
     out = jax.lax.dot_general(
         a_values.astype(dtype),
         c_values.astype(dtype),
-        _BMK_BNK,
+        BMK_BNK,
         precision=precision,
         preferred_element_type=jnp.float32,
     )
@@ -193,7 +190,7 @@ def _emulate(a, c, precision, out_dtype=jnp.float32) -> jax.Array:
     out = jax.lax.dot_general(
         a_values,
         c_values,
-        _BMK_BNK,
+        BMK_BNK,
         precision=precision,
         preferred_element_type=jnp.float32,
     )
@@ -302,7 +299,7 @@ def fp8_folds(spec: QuantSpec) -> bool:
     for recipes: quantizer_folds, fp8_unfolded and, through fp8_unfolded, execution's resolved reason and
     the self-check's FP8-GEMM count use it.
     """
-    return spec.kind == "mx" and spec.elem in fold.FOLDED_ELEMS
+    return spec.format is not None and spec.format.backends.get("fp8") == "fold"
 
 
 def fp8_unfolded(recipe: Recipe) -> tuple[QuantSpec, ...]:
@@ -320,7 +317,8 @@ def quantizer_folds(a_spec: QuantSpec, c_spec: QuantSpec, backend: str) -> bool:
     if backend != "fp8" or jnp.dtype(probes.device_fold_dtype()) != jnp.dtype(jnp.float8_e4m3fn):
         return False
     a_fold, c_fold = (fp8_folds(s) for s in (a_spec, c_spec))
-    return _runs_as_fp8(a_fold, c_fold, a_spec.kind == "fp8", c_spec.kind == "fp8", jnp.float8_e4m3fn)
+    a_fp8, c_fp8 = (s.quant_kind.per_tensor for s in (a_spec, c_spec))
+    return _runs_as_fp8(a_fold, c_fold, a_fp8, c_fp8, jnp.float8_e4m3fn)
 
 
 def _fold_or_fp8(x, fp8_dtype):
@@ -350,7 +348,7 @@ def fp8_matmul(a, c, fp8_dtype=jnp.float8_e4m3fn, out_dtype=jnp.float32) -> jax.
     out = jax.lax.dot_general(
         a_data,
         c_data,
-        _BMK_BNK,
+        BMK_BNK,
         precision=precision,
         preferred_element_type=out_dtype if narrow else jnp.float32,
     )

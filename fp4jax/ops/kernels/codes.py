@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from fp4jax.ops.formats import F32_ABS_MASK, F32_MANTISSA_MASK, ElemFormat
+from fp4jax.ops.formats import F32_ABS_MASK, F32_MANTISSA_MASK, ElemFormat, f32_bits, f32_from_bits
 from fp4jax.ops.quantize import pow2
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     "MAX_CODE",
     "encode",
     "encode_e2m1_nearest_even",
-    "f32_bits",
     "floor_log2_abs",
     "fold_e2m1_to_e4m3fn",
     "scale_e4m3fn",
@@ -36,10 +34,6 @@ MAX_CODE = {"e2m1": 0x7, "e2m3": 0x1F, "e3m2": 0x1F, "e4m3": 0x7E, "e5m2": 0x7B}
 MAGNITUDE_MASK = {"e2m1": 0x7, "e2m3": 0x1F, "e3m2": 0x1F, "e4m3": 0x7F, "e5m2": 0x7F}
 SIGN_SHIFT = {name: mask.bit_length() for name, mask in MAGNITUDE_MASK.items()}
 _BITS_OF_2_TO_14 = (14 + 127) << 23
-
-
-def f32_bits(v: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(v, jnp.int32)
 
 
 def floor_log2_abs(bits: jax.Array) -> jax.Array:
@@ -98,15 +92,13 @@ def encode_e2m1_nearest_even(bits: jax.Array, exponent: jax.Array) -> jax.Array:
     """
     magnitude = bits & F32_ABS_MASK
     k = -exponent
-    from_normal = lax.bitcast_convert_type(magnitude, jnp.float32) * pow2(jnp.clip(k, -126, 127))
+    from_normal = f32_from_bits(magnitude) * pow2(jnp.clip(k, -126, 127))
     k_sub = jnp.maximum(k, 23)
-    from_subnormal = lax.bitcast_convert_type(magnitude + ((k_sub + 1) << 23), jnp.float32) - pow2(
-        k_sub - 126
-    )
+    from_subnormal = f32_from_bits(magnitude + ((k_sub + 1) << 23)) - pow2(k_sub - 126)
     y = jnp.where(magnitude < 0x800000, from_subnormal, from_normal)
     binade = jnp.clip(f32_bits(y) >> 23, 127, 129)  # 127: y < 2, 128: [2, 4), 129: >= 4
     magic_bits = (binade + 22) << 23  # 2^(binade - 105) = 2^23 s: 2^22, 2^23, 2^24
-    steps = f32_bits(y + lax.bitcast_convert_type(magic_bits, jnp.float32)) - magic_bits
+    steps = f32_bits(y + f32_from_bits(magic_bits)) - magic_bits
     code = jnp.minimum(steps + ((binade - 127) << 1), MAX_CODE["e2m1"])
     return code | ((bits >> 28) & 0x8)
 
@@ -147,9 +139,7 @@ def _e4m3fn_of_exact(value_bits: jax.Array) -> jax.Array:
     value is a multiple of E4M3's subnormal step 2^-9, and adding 2^14 (whose float32 step is 2^-9)
     leaves exactly the count of steps in the low bits. Zero gives 0.
     """
-    steps_of_2_to_14 = (
-        f32_bits(lax.bitcast_convert_type(value_bits, jnp.float32) + 2.0**14) - _BITS_OF_2_TO_14
-    )
+    steps_of_2_to_14 = f32_bits(f32_from_bits(value_bits) + 2.0**14) - _BITS_OF_2_TO_14
     return jnp.where(value_bits < (121 << 23), steps_of_2_to_14, (value_bits >> 20) - (120 << 3))
 
 

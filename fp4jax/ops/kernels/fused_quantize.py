@@ -73,7 +73,7 @@ from fp4jax.ops.kernels.tile_math import (
     stored_data,
 )
 from fp4jax.ops.quantize import MXArray
-from fp4jax.ops.recipes import QUANTIZERS, QuantSpec, RotationSpec
+from fp4jax.ops.recipes import QUANTIZERS, ROTATIONS, QuantSpec, RotationSpec
 
 __all__ = [
     "FUSED_ELEMS",
@@ -83,6 +83,7 @@ __all__ = [
     "PALLAS_ROW_MULTIPLE",
     "KernelConfig",
     "choose_impl",
+    "fused_refusal",
     "hadamard_rotate",
     "pallas_supports",
     "rotate_quantize",
@@ -100,9 +101,31 @@ IMPLS = ("auto", "pallas", "xla")
 # argument checks
 
 
+def fused_refusal(spec: QuantSpec, rotation: RotationSpec) -> str | None:
+    """Why the fused quantizer (either implementation) does not take this operand, or None when it does.
+
+    It encodes MX elements (FUSED_ELEMS) and rotates only by the kinds that declare a fused implementation
+    (recipes.ROTATIONS: the signed Hadamard); a kind written for the reference path alone is refused here,
+    never run as a Hadamard. Callers take the reference path on a refusal (quantized_dot._fused_impl).
+    """
+    if not spec.quant_kind.fused:
+        return f"rotate_quantize takes an MX QuantSpec (kind='mx'), got kind={spec.kind!r}"
+    if spec.elem not in FUSED_ELEMS:
+        return (
+            f"the fused quantizer encodes {', '.join(FUSED_ELEMS)} elements, got elem={spec.elem!r}: "
+            "quantize it with quantize.quantize_mx"
+        )
+    if not rotation.implementation.fused:
+        return (
+            f"the fused quantizer rotates by {', '.join(k for k, r in ROTATIONS.items() if r.fused)} only, "
+            f"not {rotation.kind!r}: quantize it on the reference path (Recipe.quantizer='reference')"
+        )
+    return None
+
+
 def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, impl, fp8_dtype):
-    if spec.kind != "mx":
-        raise ValueError(f"rotate_quantize takes an MX QuantSpec (kind='mx'), got kind={spec.kind!r}")
+    if (refusal := fused_refusal(spec, rotation)) is not None:
+        raise ValueError(refusal)
     if out not in OUTPUTS:
         raise ValueError(f"unknown out {out!r}: use one of {', '.join(OUTPUTS)}")
     if impl not in IMPLS:
@@ -111,11 +134,6 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
         raise ValueError(
             f"axis must be -1 (row-wise) or -2 (column-wise, transposed result) of an array of rank >= 2, "
             f"got axis={axis} for rank {x.ndim}"
-        )
-    if spec.elem not in FUSED_ELEMS:
-        raise ValueError(
-            f"the fused quantizer encodes {', '.join(FUSED_ELEMS)} elements, got elem={spec.elem!r}: "
-            "quantize it with quantize.quantize_mx"
         )
     if out == "fp8_fold" and spec.elem not in FOLDED_ELEMS:
         raise ValueError(
@@ -127,7 +145,7 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
             f"the fused fold writes float8_e4m3fn only, got {fp8_dtype}: for e4m3fnuz use "
             "fold.fold_mx_to_fp8(rotate_quantize(..., out='mx'), fp8_dtype=...)"
         )
-    if rotation.kind == "random" and (signs is None or signs.shape != (rotation.size,)):
+    if rotation.implementation.signs and (signs is None or signs.shape != (rotation.size,)):
         raise ValueError(f"rotation kind 'random' needs signs of shape ({rotation.size},): pass signs=")
     length = x.shape[axis]
     multiple = rotation.length_multiple(spec.block_size)
@@ -139,7 +157,7 @@ def _check_args(x, axis, spec: QuantSpec, rotation: RotationSpec, signs, out, im
 
 
 def _sign_row(rotation: RotationSpec, signs, n: int):
-    if rotation.kind != "random":
+    if not rotation.implementation.signs:
         return None
     return jnp.tile(jnp.asarray(signs, jnp.float32), n // rotation.size)[None, :]
 
@@ -153,7 +171,7 @@ def _xla_rotate_quantize(x2, spec, rotation, sign_row, random_bits, out):
     fmt = get_elem_format(spec.elem)
     rows, n = x2.shape
     v = x2.astype(jnp.float32)
-    if rotation.kind != "none":
+    if rotation.rotates:
         v = hadamard_rotate(v, rotation.size, sign_row)
     codes, exponent, finite, nonzero = quantize_tile(v, fmt, spec, random_bits)
     if out == "mx":
@@ -202,7 +220,7 @@ def pallas_supports(
     device_count = jax.device_count() if device_count is None else device_count
     if device.vendor != "nvidia" or device_count != 1:
         return False
-    if spec.kind != "mx" or spec.elem not in FUSED_ELEMS:
+    if fused_refusal(spec, rotation) is not None:
         return False
     column = axis % len(shape) == len(shape) - 2
     out_rows, n = (shape[-1], shape[-2]) if column else (shape[-2], shape[-1])

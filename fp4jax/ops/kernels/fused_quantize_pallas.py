@@ -42,10 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import F32_ABS_MASK, ElemFormat, get_elem_format, require_power_of_two
+from fp4jax.ops.formats import F32_ABS_MASK, ElemFormat, f32_bits, get_elem_format, require_power_of_two
 from fp4jax.ops.kernels import fold, threefry
 from fp4jax.ops.kernels import tile_math as tm
-from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, f32_bits, fold_e2m1_to_e4m3fn, scale_e4m3fn
+from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, fold_e2m1_to_e4m3fn, scale_e4m3fn
 
 __all__ = ["KernelConfig", "Tile", "rotate_quantize_3d"]
 
@@ -244,7 +244,7 @@ def _load_tile(x_ref, column: bool):
 
 
 def _rotate(t, rotation, s_ref):
-    if rotation.kind == "none":
+    if not rotation.rotates:
         return t
     return tm.hadamard_rotate(t, rotation.size, None if s_ref is None else s_ref[...], spelling="reductions")
 
@@ -259,7 +259,7 @@ def _params(tile: Tile):
 
 def _parts(spec, rotation, column: bool, config: KernelConfig) -> int:
     """Elements per run when the mx kernel reads the tile by parts, or 0 when it reads it whole."""
-    if rotation.kind != "none":
+    if rotation.rotates:
         return rotation.size if spec.block_size % rotation.size == 0 else 0
     parts = config.column_parts
     return parts if column and parts and spec.block_size % parts == 0 else 0
@@ -306,7 +306,7 @@ def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, spli
     """
     parts = _load_parts(inputs.x, column, size, split)
     rows, runs = parts[0].shape
-    if rotation.kind != "none":
+    if rotation.rotates:
         signs = None if inputs.signs is None else _load_parts(inputs.signs, False, size, False)
         parts = tm.hadamard_parts(parts, signs)
     bits = [f32_bits(p) for p in parts]
@@ -382,7 +382,7 @@ def _mx_kernel(*refs, column, spec, rotation, has_signs, has_random, draw, with_
 def _mx_tile(spec, rotation, column: bool, config: KernelConfig) -> Tile:
     if not column:
         return config.mx_row
-    unrotated_parts = rotation.kind == "none" and _parts(spec, rotation, column, config)
+    unrotated_parts = not rotation.rotates and _parts(spec, rotation, column, config)
     return config.mx_column_unrotated if unrotated_parts else config.mx_column
 
 
@@ -522,7 +522,7 @@ def _fold_via_mx(x3, column, spec, rotation, sign_row, random, interpret, config
 
 
 def _one_pass_fits(n: int, spec, rotation, config: KernelConfig) -> bool:
-    rotated = rotation.kind != "none"
+    rotated = rotation.rotates
     fits = n <= config.one_pass_max_row(rotated) and n & (n - 1) == 0
     return fits and n % rotation.length_multiple(spec.block_size) == 0
 

@@ -22,6 +22,7 @@ import numpy as np
 from fp4jax import xla_flags
 
 __all__ = [
+    "BMK_BNK",
     "NATIVE_BLOCK_SIZE",
     "NATIVE_ELEMENT_TYPES",
     "NATIVE_K_MULTIPLE",
@@ -48,8 +49,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Contract the last axis of both operands, batch over the first.
-_BMK_BNK = (((2,), (2,)), ((0,), (0,)))
+# The dimension numbers of every GEMM the back ends emit: (B, M, K) x (B, N, K), contracting the last axis
+# of both operands, batching over the first.
+BMK_BNK = (((2,), (2,)), ((0,), (0,)))
 
 
 # What hipBLASLt's block-scaled GEMM takes through XLA's ROCm scaled-dot lowering: OCP element types,
@@ -68,7 +70,7 @@ def scaled_dot(a_data, c_data, a_scale, c_scale) -> jax.Array:
         c_data,
         lhs_scale=a_scale,
         rhs_scale=c_scale,
-        dimension_numbers=_BMK_BNK,
+        dimension_numbers=BMK_BNK,
         preferred_element_type=jnp.float32,
     )
 
@@ -245,7 +247,7 @@ def on_nvidia_gpu(operands=()) -> bool:
 
 def scaled_after(a8, c8, scale, out_dtype, precision):
     """The contract: the float32 accumulation times the combined scale, rounded once to out_dtype."""
-    out = jax.lax.dot_general(a8, c8, _BMK_BNK, precision=precision, preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(a8, c8, BMK_BNK, precision=precision, preferred_element_type=jnp.float32)
     return (out * scale).astype(out_dtype)
 
 
@@ -261,7 +263,7 @@ def scaled_in_epilogue(a8, c8, scale, out_dtype):
     wide = jnp.dtype(out_dtype)
     a = a8.astype(wide) * scale.astype(wide)
     highest = jax.lax.Precision.HIGHEST
-    return jax.lax.dot_general(a, c8.astype(wide), _BMK_BNK, precision=highest, preferred_element_type=wide)
+    return jax.lax.dot_general(a, c8.astype(wide), BMK_BNK, precision=highest, preferred_element_type=wide)
 
 
 @functools.cache

@@ -20,13 +20,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, F32_SIGN_MASK, ElemFormat
+from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, F32_SIGN_MASK, ElemFormat, f32_bits
 from fp4jax.ops.kernels import fold
 from fp4jax.ops.kernels.codes import (
     MAGNITUDE_MASK,
     encode,
     encode_e2m1_nearest_even,
-    f32_bits,
     fold_e2m1_to_e4m3fn,
     scale_e4m3fn,
     widen_mxfp6_to_e4m3fn,
