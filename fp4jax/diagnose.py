@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -43,6 +42,7 @@ from fp4jax.data import DataError, default_data_config, load_tokenizer, make_eva
 from fp4jax.models import llama
 from fp4jax.models.llama import SIZES, Llama, LlamaConfig, padded_vocab_size
 from fp4jax.ops import get_recipe
+from fp4jax.report_files import save_png, write_json
 from fp4jax.training import checkpoint, integrity, setup
 
 __all__ = [
@@ -250,8 +250,7 @@ def plot(results: dict, path: str, quantity: str = "out_rel_err") -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,9 +368,7 @@ def main(argv=None) -> int:
         f"mean over layers; {result['batches']} batch(es) of {result['batch']} x {result['seq_len']} tokens, "
         f"{result['data']} data; operands from one bf16 forward/backward\n{text}"
     )
-    with open(os.path.join(out, "diagnose.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)  # recipes in command-line order
-        f.write("\n")
+    write_json(result, os.path.join(out, "diagnose.json"), sort_keys=False)  # recipes in command-line order
     with open(os.path.join(out, "diagnose.txt"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
     plot(result["recipes"], os.path.join(out, "diagnose.png"))

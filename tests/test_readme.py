@@ -65,3 +65,19 @@ def test_design_layout_names_every_module():
         if m.name not in ("__init__.py", "__main__.py") and m.name not in named
     ]
     assert not missing, f"design.md's Layout does not name {missing}"
+
+
+def test_the_repository_stays_light():
+    """A clone carries the library, its docs and reports, and the runs' records compressed
+    (records/*.tar.xz): the tracked files stay under 10 MB. Run logs and checkpoints belong in records/
+    or outside the repository, never in docs/."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [ROOT / name for name in listed.stdout.decode().split("\0") if name]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    assert total < 10_000_000, f"tracked files hold {total:,} bytes; compress or move what grew"
+    assert not [f for f in files if "docs/results" in f.as_posix() and f.name == "metrics.jsonl"]

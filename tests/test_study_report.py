@@ -1,5 +1,6 @@
-"""Every committed report of the 125M study regenerates from the committed runs: `python -m fp4jax.study
-report` over docs/results/study125m/runs writes the same files as docs/results/study125m holds.
+"""Every committed report of the 125M study regenerates from the committed run records: `python -m
+fp4jax.study records unpack records/study125m --root runs/study`, then `report --root runs/study`, writes
+the same files as docs/results/study125m holds.
 
 The markdown must match byte for byte. The JSON must hold the same keys and values, numbers equal to
 1e-9 relative: the pooled fit's SVD and least squares sum in an order that the CPU's BLAS kernels choose,
@@ -14,7 +15,8 @@ import os
 from fp4jax.study.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLAN = os.path.join("fp4jax", "study", "plans", "proxy125m.toml")
+PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
+RECORDS = os.path.join(ROOT, "records", "study125m")
 COMMITTED = os.path.join(ROOT, "docs", "results", "study125m")
 
 
@@ -35,13 +37,14 @@ def same(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def regenerate(out) -> None:
-    """The report as docs/results.md runs it: from the repository's root (the JSON records run
-    directories as given), into `out`."""
+def regenerate(out, workdir) -> None:
+    """The report as docs/results.md runs it: the records unpacked into runs/study under `workdir` (the
+    JSON records run directories as given, runs/study/...), the report into `out`."""
     cwd = os.getcwd()
-    os.chdir(ROOT)
+    os.chdir(workdir)
     try:
-        runs = os.path.join("docs", "results", "study125m", "runs")
+        runs = os.path.join("runs", "study")
+        assert main(["records", "unpack", RECORDS, "--root", runs]) == 0
         assert main(["report", "--plan", PLAN, "--root", runs, "--out", str(out)]) == 0
     finally:
         os.chdir(cwd)
@@ -50,10 +53,11 @@ def regenerate(out) -> None:
 def test_every_committed_report_regenerates_from_the_committed_runs(tmp_path):
     """One regeneration (several seconds) for every file: the same names, the markdown byte for byte, the
     JSON to 1e-9."""
-    regenerate(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == sorted(f for f in os.listdir(COMMITTED) if f != "runs")
+    out = tmp_path / "out"
+    regenerate(out, tmp_path)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(COMMITTED))
     for name in sorted(os.listdir(COMMITTED)):
-        committed, fresh = os.path.join(COMMITTED, name), tmp_path / name
+        committed, fresh = os.path.join(COMMITTED, name), out / name
         if name.endswith(".md"):
             with open(committed, "rb") as f:
                 assert fresh.read_bytes() == f.read(), f"{name} differs: rerun the report (docs/results.md)"

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.resources
+import lzma
 import os
 import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,7 +37,10 @@ __all__ = [
 ]
 
 SEPARATORS = ("eod", "bos", "none")
-GPT2_FILE = ASSETS_DIR / "tokenizers" / "gpt2" / "r50k_base.tiktoken"
+# Stored xz-compressed (a third of the size); its content is byte-identical to the file tiktoken pins for
+# r50k_base, so the load checks that hash.
+GPT2_FILE = ASSETS_DIR / "tokenizers" / "gpt2" / "r50k_base.tiktoken.xz"
+_GPT2_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -159,9 +164,23 @@ def find_llama3_file() -> Path:
     return path
 
 
+def _read_ranks(path: Path) -> tuple[dict[bytes, int], bytes]:
+    """The BPE ranks of a tiktoken ranks file (xz-compressed where its name ends in .xz) and the file's
+    uncompressed bytes. tiktoken parses it (it reads only paths, so a compressed file goes through a
+    temporary copy); the bundled GPT-2 file is checked against tiktoken's pinned hash."""
+    content = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+    expected = _GPT2_SHA256 if path == GPT2_FILE else None
+    if path.suffix != ".xz":
+        return tiktoken.load.load_tiktoken_bpe(str(path), expected), content
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / path.stem
+        plain.write_bytes(content)
+        return tiktoken.load.load_tiktoken_bpe(str(plain), expected), content
+
+
 def _from_file(path: Path) -> Tokenizer:
     try:
-        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+        ranks, content = _read_ranks(path)
     except Exception as e:  # tiktoken raises bare ValueError/binascii.Error/IndexError on a bad file
         raise DataError(f"cannot read tokenizer file {path} as tiktoken BPE ranks ({first_line(e)})") from e
     if len(ranks) == _GPT2_RANKS:
@@ -175,7 +194,7 @@ def _from_file(path: Path) -> Tokenizer:
             f"or {_LLAMA3_RANKS:,} (Llama 3 tokenizer.model)"
         )
     encoding = tiktoken.Encoding(name, pat_str=pat, mergeable_ranks=ranks, special_tokens=specials)
-    digest = hashlib.sha256(path.read_bytes() + pat.encode() + repr(sorted(specials.items())).encode())
+    digest = hashlib.sha256(content + pat.encode() + repr(sorted(specials.items())).encode())
     return Tokenizer(name, encoding, eod, bos, str(path), digest.hexdigest()[:16])
 
 

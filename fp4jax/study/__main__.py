@@ -29,7 +29,8 @@ import json
 import os
 import sys
 
-from fp4jax.study import analysis, branching, claims, lr_stress, plan, plots, report
+from fp4jax.report_files import write_json
+from fp4jax.study import analysis, branching, claims, lr_stress, plan, plots, records, report
 from fp4jax.study.command import run_command
 
 
@@ -148,9 +149,7 @@ def write_claims(the_plan, root: str, out: str | None) -> dict | None:
         base = os.path.join(out, "claims")
         with open(base + ".md", "w", encoding="utf-8") as f:
             f.write(claims.to_markdown(result))
-        with open(base + ".json", "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-            f.write("\n")
+        write_json(result, base + ".json")
         claims.forest_plot(result, base + ".png")
         print(f"wrote {base}.md, .json and .png")
     return result
@@ -220,14 +219,25 @@ def _branch_report(stage, sroot: str, out: str | None) -> dict:
     return estimable
 
 
+def cmd_records(args) -> int:
+    """Packs a runs root into its records, or unpacks records into a runs root (study.records)."""
+    if args.action == "pack":
+        written = records.pack(args.root, args.records, args.stage or None)
+        print(f"wrote {len(written)} archive(s) in {args.records}" + "".join(f"\n  {p}" for p in written))
+    else:
+        if args.stage:
+            raise ValueError("--stage applies to pack only: unpack extracts every archive")
+        files = records.unpack(args.records, args.root)
+        print(f"unpacked {len(files)} files of {args.records} under {args.root}")
+    return 0
+
+
 def _write_md_json(base: str, text: str, result: dict) -> None:
     """BASE.md (the text) and BASE.json (the result), the directory made first."""
     os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
     with open(base + ".md", "w", encoding="utf-8") as f:
         f.write(text)
-    with open(base + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-        f.write("\n")
+    write_json(result, base + ".json")
     print(f"wrote {base}.md and {base}.json")
 
 
@@ -264,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     ins_p.add_argument("--batch", type=int, default=None, help="sequences per batch (default: global_batch)")
     ins_p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
     ins_p.add_argument("--data", default="config", help="config, bundled or synthetic (as fp4jax.diagnose)")
+    rec_p = sub.add_parser(
+        "records", help="pack runs into records/<study>/<stage>.tar.xz, or unpack them", allow_abbrev=False
+    )
+    rec_p.add_argument("action", choices=("pack", "unpack"))
+    rec_p.add_argument("records", help="the records directory (records/<study>)")
+    rec_p.add_argument("--root", required=True, help="the runs' root (pack reads it, unpack fills it)")
+    rec_p.add_argument("--stage", action="append", default=[], help="pack only this stage (repeatable)")
     for p in (run_p, rep_p):
         p.add_argument("--plan", required=True, help="a plan file (fp4jax/study/plans/*.toml)")
         p.add_argument("--root", required=True, help="the runs' root directory")
@@ -272,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"run": cmd_run, "report": cmd_report, "instruments": cmd_instruments}
+    commands = {"run": cmd_run, "report": cmd_report, "instruments": cmd_instruments, "records": cmd_records}
     return run_command(lambda: commands[args.command](args), "study")
 
 

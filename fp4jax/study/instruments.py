@@ -42,7 +42,6 @@ the command line runs (`python -m fp4jax.study instruments`, docs/diagnostics.md
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -58,6 +57,7 @@ from fp4jax import diagnose, gemm_errors
 from fp4jax.models.llama import Llama, padded_vocab_size
 from fp4jax.ops import GemmSpec, Recipe, resolve_execution
 from fp4jax.ops.recipes import MXFP4, resolve_recipe
+from fp4jax.report_files import save_png, write_json
 from fp4jax.training import checkpoint, setup
 from fp4jax.training.optimizer import make_optimizer
 from fp4jax.training.state import make_init_fn, token_losses
@@ -498,8 +498,7 @@ def plot(result: dict, stage: str, path: str) -> None:
         " tokens"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 def _json_safe(obj):
@@ -516,9 +515,7 @@ def write(result: dict, out: str) -> list[str]:
     os.makedirs(out, exist_ok=True)
     result = _json_safe(result)
     paths = [os.path.join(out, "instruments.json"), os.path.join(out, "instruments.txt")]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    write_json(result, paths[0], sort_keys=False)
     with open(paths[1], "w", encoding="utf-8") as f:
         f.write(table(result) + "\n")
     for stage in result["stages"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from fp4jax.report_files import save_png
 from fp4jax.study.analysis import GEMMS, first_probed
 
 __all__ = [
@@ -258,11 +259,7 @@ def plot_lr_series(result: dict, path: str) -> None:
 
 def _save(fig, path: str) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    fig.clf()
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
 
 
 def plot_all(result: dict, out: str) -> list[str]:

@@ -3,9 +3,9 @@ loss spikes under "spikes": lr_stress.stage_spikes); the JSON beside them holds 
 
 from __future__ import annotations
 
-import json
 import os
 
+from fp4jax.report_files import write_json
 from fp4jax.study import lr_stress
 from fp4jax.study.analysis import GEMMS, first_probed
 
@@ -184,7 +184,5 @@ def write(result: dict, out: str) -> list[str]:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out + ".md", "w", encoding="utf-8") as f:
         f.write(to_markdown(result))
-    with open(out + ".json", "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-        f.write("\n")
+    write_json(result, out + ".json")
     return [out + ".md", out + ".json", *plots.plot_all(result, out)]
