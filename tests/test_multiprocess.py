@@ -3,7 +3,8 @@ against the 1 x 8 good run, files written once, a lost process (SIGKILL of proce
 coordinator) reported in one line, SIGTERM, a checkpoint file bad for one process only and a full disk on
 one process (every process takes the same decision), and checkpoints continued on another layout
 (2 x 4 -> 4 x 2 -> 2 x 4; 1 x 8 -> 2 x 4 -> 1 x 8, the 2 x 4 leg saving with async_checkpointing=False,
-the synchronous saves across processes). Runs are shared (module fixtures, copies of a finished run).
+the synchronous saves across processes), and a start from another run's params (init_params) on 2
+processes. Runs are shared (module fixtures, copies of a finished run).
 
 Each process is `python -m fp4jax.train` (with the byte-level tokenizer of the tiny runs) in the
 environment `fp4jax.launch_local` gives it. Every subprocess has a watchdog (communicate's timeout), so
@@ -78,13 +79,13 @@ def _cpu_env(devices: int) -> dict:
     return {k: only.env[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS")}
 
 
-def _train_one_cpu_process(workdir, token_cache, xla_cache):
+def _train_one_cpu_process(workdir, token_cache, xla_cache, **overrides):
     """The tiny run's command line in one process on 8 CPU devices (whatever this lane's devices are)."""
     log = f"{workdir}.log"
     env = xla_cache_env(xla_cache) | _cpu_env(8)
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", BYTES_CLI, *cli_args(workdir, token_cache)],
+            [sys.executable, "-c", BYTES_CLI, *cli_args(workdir, token_cache, **overrides)],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -291,6 +292,27 @@ def test_two_process_checkpoint_continues_on_one_process(
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["resumed_from_step"] == 5 and summary["steps"] == 6 and summary["devices"] == "8 x cpu"
     _continues_within_the_bound(workdir, cpu_good_run, updates=1)
+
+
+@SLOW
+def test_two_processes_start_from_params_as_one_process_does(cpu_good_run, tmp_path, token_cache, xla_cache):
+    """--config.init_params (the good run's newest checkpoint, params only) on 2 processes x 4 devices,
+    each restoring its shards of the params: its two updates' losses match the same start on 1 process x
+    8 devices within the bound, and both differ from the good run's first updates (the params were
+    loaded, not initialised)."""
+    source = str(cpu_good_run / "checkpoints")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _train_one_cpu_process(one, token_cache, xla_cache, init_params=source, steps=2)
+    procs, logs = _start(two, token_cache, xla_cache, init_params=source, steps=2)
+    assert _wait(procs) == [0, 0], [_read(log)[-2000:] for log in logs]
+    started, again, fresh = compare(one), compare(two), compare(cpu_good_run)
+    assert [r["step"] for r in again] == [r["step"] for r in started] and started[-1]["step"] == 2
+    for a, b in zip(again, started, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL), (a, b)
+    assert started[0]["step"] == fresh[0]["step"] == 1
+    assert started[0]["loss"] != pytest.approx(fresh[0]["loss"], rel=100 * LOSS_RTOL)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["devices"] == "8 x cpu"
 
 
 def _copy_until(run, workdir, step: int):
