@@ -361,3 +361,21 @@ def test_the_statistical_tests_reject_weak_bits(monkeypatch):
     monkeypatch.setattr(sr_bits, "random_bits_of_shape", lambda words, shape: formula(words, shape) >> 1)
     with pytest.raises(AssertionError):
         test_stochastic_rounding_with_these_bits_is_unbiased()
+
+
+def test_the_trainer_config_selects_the_generator():
+    """The config key sr_rng reaches the recipe a run trains with; its default keeps every preset's bits."""
+    import ml_collections
+
+    from fp4jax.configs import base
+    from fp4jax.training import setup
+
+    assert base.get_config().sr_rng == "preset"
+    config = ml_collections.ConfigDict(
+        {"recipe": "mxfp4_full_sr", "fp8_scaling": "preset", "sr_rng": "preset"}
+    )
+    recipe, _ = setup.resolve_run_execution(config, {})
+    assert recipe == get_recipe("mxfp4_full_sr")
+    config.sr_rng = "threefry13"
+    recipe, _ = setup.resolve_run_execution(config, {})
+    assert recipe == with_sr_rng("mxfp4_full_sr", "threefry13") and recipe.wgrad.lhs.rng == "threefry13"
