@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_gemm.py [--shapes 8192x8192x8192,16384x4096x14336] [--out FILE.md]
     PYTHONPATH=. python benchmarks/bench_gemm.py --backends emulate,fp8   # each MX preset per GEMM back end
     PYTHONPATH=. python benchmarks/bench_gemm.py --shapes 32768x2048x8192,32768x8192x2048 \
-        --presets mxfp4_full,mxfp4_full_sr,mxfp4_full_sr@threefry13 --json FILE.json   # SR's bit generators
+        --presets mxfp4_full,mxfp4_full_sr,mxfp4_full_sr@threefry13 --modes fwd+bwd --json FILE.json
 
 Each variant is jitted once, warmed up, then timed `--iters` times (block_until_ready per call); the
 table reports the median. TFLOP/s counts 2*M*N*K per GEMM (3 GEMMs for forward+backward), so a
@@ -45,7 +45,10 @@ def preset_recipe(entry: str):
     return with_sr_rng(name, rng) if rng else get_recipe(name)
 
 
-def _mx_variants(x, w, dy, key, backend: str = "auto", presets=PRESETS):
+MODES = ("fwd", "fwd+bwd")
+
+
+def _mx_variants(x, w, dy, key, backend: str = "auto", presets=PRESETS, modes=MODES):
     """Forward alone, and forward + both gradients for a random cotangent dy.
 
     The cotangent must be random: with jax.grad of a sum it would be all ones, and XLA turns a dot with
@@ -64,13 +67,20 @@ def _mx_variants(x, w, dy, key, backend: str = "auto", presets=PRESETS):
             out, vjp = jax.vjp(fwd, a, b)
             return out, vjp(g)
 
-        variants[f"mx_dot {name}{suffix} fwd"] = (jax.jit(fwd), (x, w), 1)
-        variants[f"mx_dot {name}{suffix} fwd+bwd"] = (jax.jit(fwd_bwd), (x, w, dy), 3)
+        if "fwd" in modes:
+            variants[f"mx_dot {name}{suffix} fwd"] = (jax.jit(fwd), (x, w), 1)
+        if "fwd+bwd" in modes:
+            variants[f"mx_dot {name}{suffix} fwd+bwd"] = (jax.jit(fwd_bwd), (x, w, dy), 3)
     return variants
 
 
 def run(
-    shapes, iters: int, backends=("auto",), presets=PRESETS, sink: harness.JsonRows | None = None
+    shapes,
+    iters: int,
+    backends=("auto",),
+    presets=PRESETS,
+    sink: harness.JsonRows | None = None,
+    modes=MODES,
 ) -> list[tuple[str, str, float, float]]:
     rows = []
     for m, k, n in shapes:
@@ -80,7 +90,7 @@ def run(
         dy = (jax.random.normal(kg, (m, n), jnp.float32) * 1e-3).astype(jnp.bfloat16)
         variants = _baselines(x, w)
         for backend in backends:
-            variants.update(_mx_variants(x, w, dy, kq, backend, presets))
+            variants.update(_mx_variants(x, w, dy, kq, backend, presets, modes))
         for name, (fn, args, gemms) in variants.items():
             seconds = harness.median_seconds(fn, [args], iters)
             tflops = gemms * 2 * m * n * k / seconds / 1e12
@@ -110,20 +120,25 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--backends", default="auto", help="MX presets per back end: auto,emulate,fp8")
     parser.add_argument("--presets", default=",".join(PRESETS), help="MX presets, NAME or NAME@RNG")
+    parser.add_argument("--modes", default=",".join(MODES), help="what is timed per preset: fwd,fwd+bwd")
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument("--json", default="", help="write the rows here as JSON, after every timing")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    presets = tuple(args.presets.split(","))
+    presets, modes = tuple(args.presets.split(",")), tuple(args.modes.split(","))
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown --modes {', '.join(sorted(unknown))}: use fwd and/or fwd+bwd")
     for entry in presets:
-        preset_recipe(entry)  # a bad name or generator is one line, before anything is compiled
+        try:  # a bad name or generator is one line, before anything is compiled
+            preset_recipe(entry)
+        except ValueError as err:
+            parser.error(f"--presets {entry}: {err}")
     command = (
         f"python benchmarks/bench_gemm.py --shapes {args.shapes} --backends {args.backends} "
-        f"--presets {args.presets} --iters {args.iters}"
+        f"--presets {args.presets} --modes {args.modes} --iters {args.iters}"
     )
-    rows = run(
-        shapes, args.iters, tuple(args.backends.split(",")), presets, harness.JsonRows(args.json, command)
-    )
+    sink = harness.JsonRows(args.json, command)
+    rows = run(shapes, args.iters, tuple(args.backends.split(",")), presets, sink, modes)
     harness.emit(to_markdown(rows, command), args.out)
 
 
