@@ -1,12 +1,15 @@
 """Training throughput and MFU of the real trainer, one recipe after another, each in a process of its own.
 
     PYTHONPATH=. python benchmarks/bench_train.py --config configs/llama1b_pg_bf16.py \
-        --recipes bf16,fp8,mxfp4_full_h16 --steps 30 [--one-process] [--out FILE.md] [--config.KEY=VALUE ...]
+        --recipes bf16,fp8,mxfp4_full_h16 --steps 30 [--one-process] [--out FILE.md] [--json FILE.json] \
+        [--config.KEY=VALUE ...]
 
 Each recipe trains `--steps` updates through `fp4jax.train.train` (the real data pipeline, jitted step,
 one-step-behind metrics) with evaluation and checkpoints off. The table reports the median over the
 updates after the first `--skip` (compilation and warm-up) of tokens/s and MFU as the trainer logs them,
-the device's peak memory, and the last training loss, so a recipe that diverges shows it.
+the device's peak memory, and the last training loss, so a recipe that diverges shows it. A recipe entry
+NAME@RNG trains preset NAME with the config's sr_rng set to RNG (stochastic rounding's bit generator:
+"threefry", "threefry13"; recipes.with_sr_rng). `--json FILE` rewrites FILE whole after every recipe.
 
 Why a process per recipe: jax cannot reset a device's peak_bytes_in_use, so in one process every recipe
 reports the high-water mark of all before it. `--one-process` runs them in this process anyway (no
@@ -43,7 +46,9 @@ def train_records(config, recipe: str, steps: int) -> list[dict]:
     """The training metrics lines of `steps` updates of `recipe` through the real trainer (evaluation,
     checkpoints, progress bar and TensorBoard off), exactly as it logged them."""
     config = config.copy_and_resolve_references()
-    config.recipe = recipe
+    config.recipe, _, rng = recipe.partition("@")
+    if rng:
+        config.sr_rng = rng
     config.steps = steps
     config.eval_every_sequences, config.eval_at_end = 0, False
     config.checkpoint_every_steps, config.progress_bar, config.tensorboard = 0, False, False
@@ -113,10 +118,13 @@ def main():
     parser.add_argument("--skip", type=int, default=5, help="leading updates left out of the medians")
     parser.add_argument("--one-process", action="store_true", help="every recipe in this process")
     parser.add_argument("--out", default="")
+    parser.add_argument("--json", default="", help="write the rows here as JSON, after every recipe")
     args, overrides = parser.parse_known_args()
     config = load_config(args.config, overrides)
     if args.one_process:
         print(f"xla options: {setup.apply_xla_options(config)}", flush=True)  # as the trainer's command line
+    command = " ".join(["python benchmarks/bench_train.py", *sys.argv[1:]])
+    sink = harness.JsonRows(args.json, command)
     rows = []
     for recipe in args.recipes.split(","):
         if args.one_process:
@@ -124,7 +132,7 @@ def main():
         else:
             rows.append(bench_in_child(recipe, args, overrides))
         print(json.dumps(rows[-1]), flush=True)
-    command = " ".join(["python benchmarks/bench_train.py", *sys.argv[1:]])
+        sink.add(rows[-1])
     harness.emit(to_markdown(rows, config, command, args.one_process), args.out)
 
 

@@ -13,6 +13,8 @@ several input sets so one buffer does not sit in L2, and report a median. Two cl
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -69,3 +71,27 @@ def emit(table: str, out: str = "") -> None:
         with open(out, "w", encoding="utf-8") as f:
             f.write(table)
     print(table, flush=True)
+
+
+class JsonRows:
+    """The rows so far as one JSON document at `path` (none: nothing written), rewritten whole after every
+    row through a temporary file and a rename, so the file is never half-written."""
+
+    def __init__(self, path: str, command: str):
+        self.path = path
+        self.doc = {
+            "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "date": datetime.date.today().isoformat(),
+            "jax": jax.__version__,
+            "command": command,
+            "rows": [],
+        }
+
+    def add(self, row: dict) -> None:
+        self.doc["rows"].append(row)
+        if not self.path:
+            return
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.doc, f, indent=1)
+        os.replace(tmp, self.path)

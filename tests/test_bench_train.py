@@ -35,3 +35,17 @@ def test_a_failing_recipe_stops_with_one_line(tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith("error: recipe no_such_recipe failed")
+
+
+@SLOW
+def test_recipes_on_another_bit_generator_side_by_side_with_json_rows(tmp_path):
+    """NAME@RNG trains preset NAME with sr_rng=RNG in the same process as NAME; --json holds every row."""
+    out = tmp_path / "rows.json"
+    env = subprocess_env(ROOT, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--config", "configs/tiny_c4_h16.py", "--one-process"]
+    cmd += ["--recipes", "mxfp4_full_sr,mxfp4_full_sr@threefry13", "--steps", "3", "--skip", "1"]
+    cmd += ["--json", str(out), "--config.seq_len=32", "--config.global_batch=8"]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["recipe"] for r in rows] == ["mxfp4_full_sr", "mxfp4_full_sr@threefry13"]
+    assert rows[0]["last_loss"] != rows[1]["last_loss"]  # the generator reached the rounding

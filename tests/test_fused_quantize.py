@@ -84,6 +84,7 @@ def _reference(x, signs, key, *, axis, spec, rotation, out):
         rounding=spec.rounding,
         key=key,
         prescale=spec.prescale,
+        rng=spec.rng,
     )
     return mx if out == "mx" else fold.fold_mx_to_fp8(mx)
 
@@ -628,9 +629,31 @@ def _pallas_sr(x, axis, rotation, spec, out, key, config=SMALL_TILES):
             config=config,
         )
 
-    xla_draws = "random_bits" in str(jax.make_jaxpr(run)(x, key))
+    xla_draws = _bits_passed_to_kernels(jax.make_jaxpr(run)(x, key).jaxpr, x.size)
     want = _reference(x, None, key, axis=axis, spec=spec, rotation=rotation, out=out_kind)
     return run(x, key), xla_draws, want
+
+
+def _bits_passed_to_kernels(jaxpr, size: int) -> bool:
+    """Whether some pallas_call in the jaxpr reads a uint32 input of `size` elements (bits drawn by XLA)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and any(
+            v.aval.dtype == jnp.uint32 and v.aval.size == size for v in eqn.invars
+        ):
+            return True
+        for sub in _inner_jaxprs(eqn.params):
+            if _bits_passed_to_kernels(sub, size):
+                return True
+    return False
+
+
+def _inner_jaxprs(params):
+    """The jaxprs among an equation's parameters (jit's, cond's branches, ...), closed ones opened."""
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
 
 
 @long_lane.parametrize("case", list(KERNEL_BITS_CASES), default=2)
@@ -678,6 +701,54 @@ def test_by_default_the_kernels_draw_column_operands_bits_and_xla_row_operands()
     with pytest.raises(ValueError, match="unknown KernelConfig.kernel_bits 'rows': use one of always") as err:
         fq.KernelConfig(kernel_bits="rows")
     assert "\n" not in str(err.value)
+
+
+THREEFRY13_CASES = {  # (axis, rotation, spec, out or fold method): whole tiles, parts, both layouts
+    "row-sr-mx": (-1, NO_ROTATION, SR, "mx"),
+    "col-h16-sr_prescale-via_mx": (-2, H16, SR_PRESCALE, "via_mx"),
+    "row-h16-sr_prescale-one_pass": (-1, H16, SR_PRESCALE, "one_pass"),
+    "col-sr-mx": (-2, NO_ROTATION, SR, "mx"),
+}
+
+
+@long_lane.parametrize("case", list(THREEFRY13_CASES), default=(0, 1))
+def test_pallas_draws_threefry13_bits_in_both_layouts_by_default(case):
+    """Generator "threefry13" (sr_bits.py): the kernels draw it themselves for both layouts under the
+    default KernelConfig (no bits read from XLA) and give quantize_mx(rng="threefry13")'s codes, scales and
+    folds bit for bit, whole tiles and parts of 16 and 8 alike; another generator gives other bits."""
+    axis, rotation, spec, out = THREEFRY13_CASES[case]
+    spec = dataclasses.replace(spec, rng="threefry13")
+    default = dataclasses.replace(SMALL_TILES, kernel_bits=fq.KernelConfig().kernel_bits)
+    x = _batched_operand(axis)
+    got, xla_draws, want = _pallas_sr(x, axis, rotation, spec, out, FORMULA_KEYS[0], default)
+    assert not xla_draws
+    _assert_same(got, want)
+    if case == "row-sr-mx":
+        other, _, _ = _pallas_sr(
+            x, axis, rotation, dataclasses.replace(spec, rng="threefry"), out, FORMULA_KEYS[0]
+        )
+        assert np.any(_bits(other.data) != _bits(got.data))
+        never = dataclasses.replace(SMALL_TILES, kernel_bits="never")
+        read, xla_draws, _ = _pallas_sr(x, axis, rotation, spec, out, FORMULA_KEYS[0], never)
+        assert xla_draws
+        _assert_same(read, want)
+
+
+def test_pallas_threefry13_lowers_to_triton_without_a_gpu():
+    """The kernels drawing generator threefry13 (pairs of words interleaved by joins) lower to Triton."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    spec = dataclasses.replace(SR_PRESCALE, rng="threefry13")
+    x = jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16)
+    words = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    for out, column, rotation in (("mx", True, H16), ("mx", False, NO_ROTATION), ("fp8_fold", False, H16)):
+
+        def run(x, w, column=column, out=out, rotation=rotation):
+            return kernels.rotate_quantize_3d(
+                x, column, spec, rotation, None, None, out, False, fq.KernelConfig(), w
+            )
+
+        assert "triton" in jax.jit(run).trace(x, words).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ Keys:
   "delayed" (the MLPerf reference's: Transformer Engine delayed scaling, amax history 4, newest amax;
   the default), "current" (per-tensor, this step's amax) or "preset" (as the preset defines it). So the
   FP8 stages of every MXFP4 rung are scaled exactly like the FP8 baseline.
+- sr_rng: the generator of stochastic rounding's random bits (fp4jax.ops.recipes.with_sr_rng): "preset"
+  (each preset's own, jax's threefry: the default, bit for bit as before) or one of "threefry" and
+  "threefry13" for every stochastically rounded operand (docs/numerics.md, "Random bits").
 - model.size ("8b", "1b", "350m", "125m", "tiny") plus optional LlamaConfig overrides (None = the size's
   value; model.vocab_size None = the tokenizer's vocabulary rounded up to a multiple of 128).
   model.scaled_output_init (None = True): attention-out and MLP-down weights drawn with std
@@ -90,6 +93,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.recipe = "bf16"
     c.fp8_scaling = "delayed"
+    c.sr_rng = "preset"
     c.model = model_config("8b")
 
     c.global_batch = 32

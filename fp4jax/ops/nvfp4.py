@@ -183,12 +183,13 @@ def quantize_nvfp4(
     block_size: int = NVFP4_BLOCK_SIZE,
     rounding: str = "nearest_even",
     key: jax.Array | None = None,
+    rng: str = "threefry",
 ) -> NVFP4Array:
     """Quantizes x to NVFP4 along `axis` (the contraction axis), by Transformer Engine's rule (module doc).
 
     S_enc comes from the largest finite |x| of the whole tensor. A block holding NaN or +-Inf gets a NaN
     scale and +0 data and leaves the other blocks alone. Stochastic rounding draws
-    stochastic_bits(key, shape of x with `axis` moved last), one per element; it is unbiased for
+    stochastic_bits(key, shape of x with `axis` moved last, rng), one per element; it is unbiased for
     |x * e_b| <= 6, and a block maximum whose E4M3 scale rounded down saturates at 6.
     """
     x = jnp.asarray(x)
@@ -208,7 +209,7 @@ def quantize_nvfp4(
     y = jnp.minimum(jnp.abs(flush_subnormal(xs * encode)), _E2M1_MAX)
     random_bits = None
     if rounding == "stochastic":
-        random_bits = stochastic_bits(key, x_last.shape).reshape(blocks.shape)
+        random_bits = stochastic_bits(key, x_last.shape, rng).reshape(blocks.shape)
     magnitude = round_to_grid(y, formats.E2M1, rounding, random_bits=random_bits)
     signed = jnp.where(f32_bits(xs) < 0, -magnitude, magnitude)
     data = jnp.where(healthy, signed, 0.0).astype(formats.E2M1.dtype)

@@ -59,7 +59,7 @@ def _quantize_mx(x, spec, key, fp8_scale):
     args = dict(
         elem=spec.elem, block_size=spec.block_size, scale_mode=spec.scale_mode, rounding=spec.rounding
     )
-    return quantize.quantize_mx(x, axis=-1, key=key, prescale=spec.prescale, **args)
+    return quantize.quantize_mx(x, axis=-1, key=key, prescale=spec.prescale, rng=spec.rng, **args)
 
 
 def _quantize_fp8(x, spec, key, fp8_scale):
@@ -73,7 +73,13 @@ def _quantize_nvfp4(x, spec, key, fp8_scale):
             f"its free axis has {x.shape[-2]}: pad the layer's features or use 1D blocks (block_2d=False)"
         )
     return nvfp4.quantize_nvfp4(
-        x, axis=-1, block_2d=spec.block_2d, block_size=spec.block_size, rounding=spec.rounding, key=key
+        x,
+        axis=-1,
+        block_2d=spec.block_2d,
+        block_size=spec.block_size,
+        rounding=spec.rounding,
+        key=key,
+        rng=spec.rng,
     )
 
 

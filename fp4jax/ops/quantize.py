@@ -32,6 +32,7 @@ from fp4jax.ops.formats import (
     float8_to_float32,
     get_elem_format,
 )
+from fp4jax.ops.kernels import sr_bits
 
 __all__ = [
     "ROUNDING_MODES",
@@ -110,13 +111,14 @@ def ldexp_exact(v: jax.Array, k: jax.Array) -> jax.Array:
 # rounding onto an element grid
 
 
-def stochastic_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def stochastic_bits(key: jax.Array, shape: tuple[int, ...], rng: str = "threefry") -> jax.Array:
     """The uint32 random bits stochastic rounding draws for magnitudes of `shape` (one per element).
 
     Every implementation draws them here, over the reference's shape (quantize_mx's blocked shape), so
-    the same key gives the same bit to the same element wherever it is rounded.
+    the same key gives the same bit to the same element wherever it is rounded. rng names the generator
+    (kernels/sr_bits.py): "threefry" is jax.random.bits; "threefry13" its cheaper counter formula.
     """
-    return jax.random.bits(key, shape, jnp.uint32)
+    return sr_bits.stochastic_bits(key, shape, rng)
 
 
 def round_to_grid(
@@ -126,13 +128,14 @@ def round_to_grid(
     key: jax.Array | None = None,
     *,
     random_bits: jax.Array | None = None,
+    rng: str = "threefry",
 ) -> jax.Array:
     """Rounds non-negative float32 magnitudes onto `fmt`'s grid, saturating at fmt.max_value.
 
     The grid spacing in the binade of v is 2^(q - mantissa_bits) with q = max(floor(log2 v), emin), so
     v / spacing is an exact float32 and rounding it to an integer is the whole job. Stochastic rounding
     picks the upper neighbour with probability (v - lower) / spacing using 24 uniform random bits: the
-    top 24 of `random_bits` (uint32 shaped like abs_y), or of stochastic_bits(key, abs_y.shape). The
+    top 24 of `random_bits` (uint32 shaped like abs_y), or of stochastic_bits(key, abs_y.shape, rng). The
     fused quantizer's kernels call this same function on their tiles with the same bits, which they
     draw themselves by threefry's counter formula or read from XLA (kernels/fused_quantize.py).
     """
@@ -145,7 +148,7 @@ def round_to_grid(
     elif rounding == "stochastic":
         if random_bits is None and key is None:
             raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-        random_bits = stochastic_bits(key, abs_y.shape) if random_bits is None else random_bits
+        random_bits = stochastic_bits(key, abs_y.shape, rng) if random_bits is None else random_bits
         # < 2^24 after the shift: exact through int32, which every back end converts to float32.
         uniform = (random_bits >> 8).astype(jnp.int32).astype(jnp.float32) * (2.0**-24)  # [0, 1), 24 bits
         lower = jnp.floor(units)
@@ -278,6 +281,7 @@ def quantize_mx(
     rounding: str = "nearest_even",
     key: jax.Array | None = None,
     prescale: float = 1.0,
+    rng: str = "threefry",
 ) -> MXArray:
     """Quantizes x into MX blocks along `axis` (OCP MX v1.0; docs/numerics.md).
 
@@ -287,7 +291,8 @@ def quantize_mx(
     Invariant: quantize_mx(x).dequantize() rounds each prescale * x / 2^e onto the element grid, with e
     the block's shared exponent chosen from x itself; a block holding NaN or +-Inf gets a NaN scale (and
     +0 data). So the result represents prescale * x: with prescale 3/4 and the floor or even rule no
-    value exceeds E2M1's maximum, and stochastic rounding stays unbiased (Tseng et al. 2025).
+    value exceeds E2M1's maximum, and stochastic rounding stays unbiased (Tseng et al. 2025). rng: the
+    generator of stochastic rounding's bits (stochastic_bits).
     """
     fmt = get_elem_format(elem)
     x = jnp.asarray(x)
@@ -303,7 +308,7 @@ def quantize_mx(
     scaled = _mul_pow2(jnp.where(finite, blocks, 0.0), -exponent)
     if prescale != 1:
         scaled = scaled * jnp.float32(prescale)
-    magnitude = round_to_grid(jnp.abs(scaled), fmt, rounding, key)
+    magnitude = round_to_grid(jnp.abs(scaled), fmt, rounding, key, rng=rng)
     data = jnp.where(finite, _with_sign(magnitude, blocks), 0.0).astype(fmt.dtype)
 
     scale_bits = jnp.where(finite, exponent + formats.SCALE_BIAS, formats.SCALE_NAN_BITS)

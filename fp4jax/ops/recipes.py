@@ -20,6 +20,7 @@ from typing import Any
 
 from fp4jax.ops import quant_formats
 from fp4jax.ops.formats import ALL_ELEM_FORMATS, require_power_of_two
+from fp4jax.ops.kernels.sr_bits import GENERATORS
 from fp4jax.ops.quant_formats import KINDS, QuantFormat, QuantKind
 from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
 from fp4jax.ops.rotation import rotate_blocks
@@ -54,6 +55,7 @@ __all__ = [
     "ROTATIONS",
     "ROTATION_KINDS",
     "SIGN_POLICIES",
+    "SR_RNG_MODES",
     "WEIGHT_OPERANDS",
     "GemmSpec",
     "QuantSpec",
@@ -63,6 +65,7 @@ __all__ = [
     "get_recipe",
     "resolve_recipe",
     "with_fp8_scaling",
+    "with_sr_rng",
 ]
 
 
@@ -78,6 +81,9 @@ FP8_SCALINGS = ("current", "delayed")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The config key `fp8_scaling`: "preset" keeps each preset's own FP8 scaling; the others map onto it.
 FP8_SCALING_MODES = ("preset", "current", "delayed")
+# The config key `sr_rng`: "preset" keeps each operand's own generator; the others (sr_bits.GENERATORS)
+# give every stochastically rounded operand that one (with_sr_rng).
+SR_RNG_MODES = ("preset", *GENERATORS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +144,9 @@ class QuantSpec:
     stochastic rounding (Tseng et al. 2025): with the "even" or "floor" rule a block's largest value
     lands in [3.5, 7) or [4, 8) times its scale, and values above E2M1's maximum 6 saturate, which
     biases SR; times 3/4 every value is at most 5.25 or 6, inside the range, so SR is unbiased.
+
+    rng names the generator of stochastic rounding's random bits (kernels/sr_bits.GENERATORS): "threefry"
+    (jax.random.bits, every preset's) or "threefry13" (a third of its arithmetic; docs/numerics.md).
     """
 
     kind: str = "none"
@@ -150,6 +159,7 @@ class QuantSpec:
     fp8_scaling: str = "current"
     prescale: float = 1.0
     block_2d: bool = False
+    rng: str = "threefry"
 
     def __post_init__(self):
         _check_choice(self.kind, QUANT_KINDS, "quantization kind")
@@ -159,6 +169,7 @@ class QuantSpec:
         _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
         _check_choice(self.rounding, ROUNDING_MODES, "rounding")
         _check_choice(self.fp8_scaling, FP8_SCALINGS, "fp8_scaling")
+        _check_choice(self.rng, GENERATORS, "random-bit generator rng")
         require_power_of_two(self.block_size, "block_size")
         if not 0 < self.prescale <= 1:
             raise ValueError(f"prescale must lie in (0, 1], got {self.prescale!r}")
@@ -492,6 +503,25 @@ def with_fp8_scaling(recipe: str | Recipe, mode: str) -> Recipe:
     return dataclasses.replace(recipe, **gemms, **(history if mode == "delayed" else {}))
 
 
-def resolve_recipe(recipe: str | Recipe, fp8_scaling: str = "preset") -> Recipe:
-    """The Recipe a run trains with: the preset `recipe` under the config's `fp8_scaling` mode."""
-    return with_fp8_scaling(recipe, fp8_scaling)
+def with_sr_rng(recipe: str | Recipe, rng: str) -> Recipe:
+    """`recipe` with every stochastically rounded operand drawing its bits from generator `rng`
+    (SR_RNG_MODES; "preset": the recipe as it is). Other operands are untouched, so a recipe without
+    stochastic rounding comes back equal to itself."""
+    _check_choice(rng, SR_RNG_MODES, "sr_rng")
+    recipe = get_recipe(recipe)
+    if rng == "preset":
+        return recipe
+
+    def spec(s: QuantSpec) -> QuantSpec:
+        return dataclasses.replace(s, rng=rng) if s.rounding == "stochastic" else s
+
+    gemms = {
+        stage: dataclasses.replace(g, lhs=spec(g.lhs), rhs=spec(g.rhs))
+        for stage, g in zip(GEMMS, recipe.gemms, strict=True)
+    }
+    return dataclasses.replace(recipe, **gemms)
+
+
+def resolve_recipe(recipe: str | Recipe, fp8_scaling: str = "preset", sr_rng: str = "preset") -> Recipe:
+    """The Recipe a run trains with: the preset `recipe` under the config's `fp8_scaling` and `sr_rng`."""
+    return with_sr_rng(with_fp8_scaling(recipe, fp8_scaling), sr_rng)

@@ -328,7 +328,10 @@ def run_config(run_dir: str, step: int) -> ml_collections.ConfigDict:
 def abstract_state(config, model_cfg, tx):
     """The trainer's TrainState of the run's model and optimizer as shapes on the first device: what a
     checkpoint of the run restores into (built once, for every step)."""
-    model = Llama(model_cfg, recipe=resolve_recipe(config.recipe, config.get("fp8_scaling", "preset")))
+    recipe = resolve_recipe(
+        config.recipe, config.get("fp8_scaling", "preset"), config.get("sr_rng", "preset")
+    )
+    model = Llama(model_cfg, recipe=recipe)
     init = make_init_fn(model, tx, (1, min(config.seq_len, 64)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = jax.eval_shape(lambda key: nn.meta.unbox(init(key)), setup.init_key(config.seed))

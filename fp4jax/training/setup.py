@@ -281,9 +281,11 @@ def execution_overrides(environ=None) -> dict[str, str]:
 
 
 def resolve_run_execution(config, environ=None):
-    """(the Recipe the run trains with, ops.Execution): the config's preset under its fp8_scaling, the
-    environment's overrides applied, the back end resolved and checked here, before anything is traced."""
-    recipe = resolve_recipe(config.recipe, config.get("fp8_scaling", "preset"))  # FP8 stages: one scaling
+    """(the Recipe the run trains with, ops.Execution): the config's preset under its fp8_scaling and
+    sr_rng, the environment's overrides applied, the back end resolved and checked here, before anything
+    is traced."""
+    fp8_scaling, sr_rng = config.get("fp8_scaling", "preset"), config.get("sr_rng", "preset")
+    recipe = resolve_recipe(config.recipe, fp8_scaling, sr_rng)  # FP8 stages: one scaling
     overrides = execution_overrides(environ)
     source = f"environment variable {GEMM_BACKEND_ENV}"
     with config_values(f"recipe {config.recipe}: "):

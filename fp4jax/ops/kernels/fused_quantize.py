@@ -60,7 +60,7 @@ from jax import lax
 
 from fp4jax.ops import formats, quantize
 from fp4jax.ops.formats import get_elem_format
-from fp4jax.ops.kernels import fold, probes, threefry
+from fp4jax.ops.kernels import fold, probes, sr_bits, threefry
 from fp4jax.ops.kernels import fused_quantize_pallas as pallas_kernels
 from fp4jax.ops.kernels.codes import MAX_CODE
 from fp4jax.ops.kernels.fused_quantize_pallas import KernelConfig
@@ -290,7 +290,7 @@ def _rotate_quantize(x, column, spec, rotation, signs, key, out, impl, interpret
     sign_row = _sign_row(rotation, signs, n)
     if impl == "pallas":
         x3 = x.reshape(-1, *x.shape[-2:])
-        key_words = _kernel_key_words(spec, key, x.size, config.draws_in_kernel(column))
+        key_words = _kernel_key_words(spec, key, x.size, config.draws_in_kernel(column, spec.rng))
         random_bits = None if key_words is not None else _random_bits(spec, key, out_shape)
         bits3 = None if random_bits is None else random_bits.reshape(x3.shape[0], -1, n)
         raw = pallas_kernels.rotate_quantize_3d(
@@ -313,20 +313,25 @@ def _random_bits(spec: QuantSpec, key, out_shape):
     if spec.rounding != "stochastic":
         return None
     n = out_shape[-1]
-    return quantize.stochastic_bits(key, (*out_shape[:-1], n // spec.block_size, spec.block_size))
+    shape = (*out_shape[:-1], n // spec.block_size, spec.block_size)
+    return quantize.stochastic_bits(key, shape, spec.rng)
 
 
 def _kernel_key_words(spec: QuantSpec, key, size: int, in_kernel: bool):
     """The key's two uint32 words where the Pallas kernels draw SR's bits themselves, else None.
 
-    They do where the config asks for this layout (in_kernel) and threefry's formula is jax.random.bits
-    for this key and size, asked here, when tracing (jax_threefry_partitionable is part of jit's cache
-    key, and a key's implementation is part of its type): elsewhere `_random_bits` draws the same bits
+    They do where the config asks for this layout (in_kernel) and the generator's formula gives its bits
+    for this key and size: for rng="threefry", where threefry's formula is jax.random.bits, asked here,
+    when tracing (jax_threefry_partitionable is part of jit's cache key, and a key's implementation is
+    part of its type); rng="threefry13" is its formula (sr_bits.key_words refuses keys it does not take,
+    and `_random_bits` operands of more than 2**32 elements). Elsewhere `_random_bits` draws the same bits
     in XLA.
     """
-    if spec.rounding != "stochastic" or not in_kernel or not threefry.formula_applies(key, size):
+    if spec.rounding != "stochastic" or not in_kernel:
         return None
-    return jax.random.key_data(key)
+    if spec.rng == "threefry":
+        return jax.random.key_data(key) if threefry.formula_applies(key, size) else None
+    return sr_bits.key_words(key) if size <= 2**32 else None
 
 
 def _assemble(raw, out_shape, lead, spec, out):

@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fp4jax.ops import formats
 from fp4jax.ops.formats import F32_ABS_MASK, ElemFormat, f32_bits, get_elem_format, require_power_of_two
-from fp4jax.ops.kernels import fold, threefry
+from fp4jax.ops.kernels import fold, sr_bits, threefry
 from fp4jax.ops.kernels import tile_math as tm
 from fp4jax.ops.kernels.codes import MAGNITUDE_MASK, fold_e2m1_to_e4m3fn, scale_e4m3fn
 
@@ -85,9 +85,11 @@ class KernelConfig:
       kernel_bits: where stochastic rounding's bits are drawn inside the kernels (threefry.formula_applies
         permitting; no bits in HBM) rather than drawn by XLA and read (4 + 4 bytes per element): "always",
         "columns" (column-wise operands only) or "never". The same bits either way. "columns" is the
-        H200's faster choice: drawing in the kernel saved 9-13 % on column-wise tiles, where the
-        transpose leaves the SM room, and cost 8-42 % on row-wise ones, which are compute-bound
-        already (docs/performance.md, "Stochastic rounding in the kernels").
+        H200's faster choice for rng="threefry": drawing in the kernel saved 9-13 % on column-wise tiles,
+        where the transpose leaves the SM room, and cost 8-42 % on row-wise ones, which are
+        compute-bound already (docs/performance.md, "Stochastic rounding in the kernels"). The cheaper
+        generator rng="threefry13" is drawn in the kernels for both layouts under "columns" (its
+        arithmetic is a third of threefry's; reading 4 bytes per element more is not cheaper than that).
     """
 
     mx_row: Tile = Tile(32, 256, 4)
@@ -110,9 +112,11 @@ class KernelConfig:
                 f"unknown KernelConfig.kernel_bits {self.kernel_bits!r}: use one of {', '.join(KERNEL_BITS)}"
             )
 
-    def draws_in_kernel(self, column: bool) -> bool:
-        """Whether SR's bits for this layout are drawn inside the kernels (kernel_bits)."""
-        return self.kernel_bits == "always" or (self.kernel_bits == "columns" and column)
+    def draws_in_kernel(self, column: bool, rng: str = "threefry") -> bool:
+        """Whether SR's bits for this layout and generator are drawn inside the kernels (kernel_bits)."""
+        if self.kernel_bits == "columns":
+            return column or rng != "threefry"
+        return self.kernel_bits == "always"
 
     def one_pass_max_row(self, rotated: bool) -> int:
         return self.one_pass_max_row_rotated if rotated else self.one_pass_max_row_unrotated
@@ -134,10 +138,11 @@ def _pick(length: int, want: int, minimum: int) -> int:
 class _Random:
     """Stochastic rounding's source for one pallas_call: `array` is the bits drawn by XLA ((batch, output
     rows, n) uint32, tiled like the output), or with `in_kernel` the key's two uint32 words, from which
-    every tile draws its own (_KernelDraw)."""
+    every tile draws its own (_KernelDraw) with generator `rng` (sr_bits.GENERATORS)."""
 
     array: jax.Array
     in_kernel: bool
+    rng: str = "threefry"
 
     def spec(self, tile_spec: pl.BlockSpec) -> pl.BlockSpec:
         """The input's BlockSpec: the output's tiling, or the two key words whole for every program."""
@@ -145,7 +150,7 @@ class _Random:
 
     def draw(self, out_rows: int, n: int, rows: int, cols: int):
         """The kernels' _KernelDraw for tiles of rows x cols, or None where the bits are an input."""
-        return _KernelDraw(out_rows, n, rows, cols) if self.in_kernel else None
+        return _KernelDraw(out_rows, n, rows, cols, self.rng) if self.in_kernel else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +162,18 @@ class _KernelDraw:
     output element (b, r, c) is draw number (b * out_rows + r) * n + c, whatever the layout of x (a
     column-wise tile is transposed to the output's orientation; its bits are drawn there). The program
     (b, i[, j]) holds output rows i * rows + [0, rows) and columns j * cols + [0, cols) of batch b (no
-    third grid axis where cols == n). Its bits are threefry.random_bits of those indices, in uint32:
-    exact, because fused_quantize takes this path only for at most 2**32 elements.
+    third grid axis where cols == n). Its bits are the generator's formula at those indices, in uint32:
+    exact, because fused_quantize takes this path only for at most 2**32 elements. rng "threefry":
+    threefry.random_bits, one block per element; "threefry13": sr_bits.pair_bits, one block per two
+    neighbours (2p, 2p + 1), whose words are interleaved along the row: every tile and part starts at an
+    even index where its width is even, so the pairs never straddle two of them.
     """
 
     out_rows: int
     n: int
     rows: int
     cols: int
+    rng: str = "threefry"
 
     def _indices(self, runs: int, step: int) -> jax.Array:
         """(rows, runs) uint32: the draw numbers of the tile's columns 0, step, 2 step, ... (all rows)."""
@@ -175,14 +184,31 @@ class _KernelDraw:
         r, q = (jax.lax.broadcasted_iota(jnp.int32, (self.rows, runs), d).astype(jnp.uint32) for d in (0, 1))
         return origin + r * jnp.uint32(self.n) + q * jnp.uint32(step)
 
+    def _paired(self, width: int) -> bool:
+        return self.rng == "threefry13" and width % 2 == 0 and self.n % 2 == 0
+
+    def _bits(self, words, index: jax.Array) -> jax.Array:
+        """The generator's bits at element indices `index`, one formula evaluation per element."""
+        if self.rng == "threefry":
+            return threefry.random_bits(words, index)
+        return sr_bits.random_bits(words, index)
+
     def tile(self, key_ref) -> jax.Array:
         """The whole tile's bits, (rows, cols) uint32."""
-        return threefry.random_bits((key_ref[0], key_ref[1]), self._indices(self.cols, 1))
+        words = (key_ref[0], key_ref[1])
+        if not self._paired(self.cols):
+            return self._bits(words, self._indices(self.cols, 1))
+        even, odd = sr_bits.pair_bits(words, self._indices(self.cols // 2, 2) >> jnp.uint32(1))
+        return jnp.stack([even, odd], axis=-1).reshape(self.rows, self.cols)
 
     def parts(self, key_ref, size: int) -> list[jax.Array]:
         """The tile's bits by parts (_load_parts' row parts): [bits of column k of every run of `size`]."""
         words, first = (key_ref[0], key_ref[1]), self._indices(self.cols // size, size)
-        return [threefry.random_bits(words, first + jnp.uint32(k)) for k in range(size)]
+        if not self._paired(size):
+            return [self._bits(words, first + jnp.uint32(k)) for k in range(size)]
+        pair_first = first >> jnp.uint32(1)  # parts 2m and 2m + 1 are the two words of one block
+        pairs = [sr_bits.pair_bits(words, pair_first + jnp.uint32(m)) for m in range(size // 2)]
+        return [word for pair in pairs for word in pair]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,7 +622,7 @@ def rotate_quantize_3d(
     given = [a for a in (random_bits, key_words) if a is not None]
     if len(given) != (spec.rounding == "stochastic"):
         raise ValueError("stochastic rounding takes one of random_bits and key_words; nearest rounding none")
-    random = _Random(given[0], key_words is not None) if given else None
+    random = _Random(given[0], key_words is not None, spec.rng) if given else None
     if out == "mx":
         return _mx_call(x3, column, spec, rotation, sign_row, random, interpret, config)
     if not column and _one_pass_fits(x3.shape[2], spec, rotation, config):

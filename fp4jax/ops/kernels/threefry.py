@@ -36,7 +36,7 @@ __all__ = ["formula_applies", "random_bits", "random_bits_of_shape", "threefry2x
 
 _PARITY = np.uint32(0x1BD11BDA)  # Threefish's key-schedule constant
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_GROUPS = 5  # 5 groups of 4 rounds = 20 rounds
+_ROUNDS = 20  # jax's: 5 groups of 4 rounds, the key injected after each
 
 
 def formula_applies(key: jax.Array, size: int) -> bool:
@@ -59,17 +59,25 @@ def _rotate_left(x: jax.Array, r: int) -> jax.Array:
     return lax.shift_left(x, jnp.uint32(r)) | lax.shift_right_logical(x, jnp.uint32(32 - r))
 
 
-def threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Threefry-2x32 (20 rounds) of the counter words (x0, x1) under the key words (k0, k1), all uint32
-    and broadcastable against each other: jax's threefry2x32_p, round for round (module docstring)."""
+def threefry2x32(
+    k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array, rounds: int = _ROUNDS
+) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32 of the counter words (x0, x1) under the key words (k0, k1), all uint32 and
+    broadcastable against each other: with rounds=20, jax's threefry2x32_p, round for round (module
+    docstring). Other round counts are Random123's threefry2x32_R(rounds, ...) (threefry.h): the key is
+    injected before the first round and after every fourth, so 13 rounds end on one round past the third
+    injection. sr_bits.py's "threefry13" generator runs 13."""
+    if not 0 < rounds <= 32:
+        raise ValueError(f"Threefry-2x32 takes 1 to 32 rounds, got {rounds}")
     schedule = (k0, k1, k0 ^ k1 ^ _PARITY)
     x0, x1 = x0 + schedule[0], x1 + schedule[1]
-    for group in range(_GROUPS):
-        for r in _ROTATIONS[group % 2]:
-            x0 = x0 + x1
-            x1 = _rotate_left(x1, r) ^ x0
-        x0 = x0 + schedule[(group + 1) % 3]
-        x1 = x1 + schedule[(group + 2) % 3] + jnp.uint32(group + 1)
+    for r in range(rounds):
+        x0 = x0 + x1
+        x1 = _rotate_left(x1, _ROTATIONS[(r // 4) % 2][r % 4]) ^ x0
+        if r % 4 == 3:  # the key injection after every fourth round, with its count
+            injection = (r + 1) // 4
+            x0 = x0 + schedule[injection % 3]
+            x1 = x1 + schedule[(injection + 1) % 3] + jnp.uint32(injection)
     return x0, x1
 
 
