@@ -12,7 +12,7 @@ import sys
 import pytest
 from study_plans import stage_toml
 
-from fp4jax.study import designs, plan, progress, reuse, runner, runs, schedule
+from fp4jax.study import designs, plan, progress, report, reuse, runner, runs, schedule
 from fp4jax.study.gate import gate_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -332,3 +332,73 @@ def test_the_plans_back_ends_and_their_variable_are_the_trainers():
     from fp4jax.training.setup import GEMM_BACKEND_ENV
 
     assert sorted(plan.BACKENDS) == sorted(BACKENDS) and plan.BACKEND_ENV == GEMM_BACKEND_ENV
+
+
+@pytest.mark.parametrize(
+    "runs_per_gpu,given,expected", [(1, None, None), (2, None, "0.45"), (3, None, "0.3"), (2, "0.2", "0.2")]
+)
+def test_runs_sharing_a_gpu_each_get_their_share_of_its_memory_unless_the_caller_set_one(
+    runs_per_gpu, given, expected
+):
+    """`--parallel 2 --gpus 0,0`: each child preallocates 0.9 / 2 of the GPU (jax's default 0.75 twice
+    does not fit); a value in the caller's environment is kept; a run alone and a CPU run get none."""
+    env = {} if given is None else {runner.MEM_FRACTION_ENV: given}
+    child = runner.child_env(["0"], "cuda", env, runs_per_gpu)
+    assert child.get(runner.MEM_FRACTION_ENV) == expected and child["CUDA_VISIBLE_DEVICES"] == "0"
+    assert runner.MEM_FRACTION_ENV not in runner.child_env([], None, {}, 2)
+
+
+class ToyDesign:
+    """A design added by one table entry: one run per seed of the baseline arm only, reported as a line."""
+
+    name, keys, optional_keys, implied = "toy", frozenset({"note"}), frozenset(), frozenset()
+
+    def options(self, raw, where, earlier):
+        return {"note": raw["note"]}, {}
+
+    def specs(self, stage, common):
+        rung = runner.Rung(
+            stage.baseline, stage.config, (*common, f"--config.recipe={stage.arms[stage.baseline]}")
+        )
+        return runner.plan([rung], list(stage.seeds), None)
+
+    def phases(self, stage, specs, sroot, arms, log):
+        return [specs]
+
+    def span(self, spec, stage):
+        return 0, stage.steps
+
+    def default_minutes(self, stage, first, last):
+        return stage.run_minutes
+
+    def report(self, stage, the_plan, root, out, target, emit):
+        done = [
+            s.label
+            for s in plan.stage_specs(stage)
+            if runs.is_finished(s.directory(plan.stage_root(root, stage)))
+        ]
+        report.write(
+            os.path.join(out, stage.name), f"toy {stage.options['note']}: {done}\n", {"done": done}, emit=emit
+        )
+        return {}
+
+
+def test_a_design_added_by_one_table_entry_is_scheduled_and_reported(tmp_path, monkeypatch):
+    from fp4jax.study.__main__ import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setitem(designs.DESIGNS, "toy", ToyDesign())
+    _fake(monkeypatch, FINISHER)
+    path = tmp_path / "toy.toml"
+    path.write_text(
+        '\nname = "toy"'
+        + _stage("t", {"a": "fp8", "b": "mxfp4_full"}).replace(
+            'design = "scratch_paired"', 'design = "toy"\nnote = "hello"'
+        )
+    )
+    root, out = str(tmp_path / "runs"), tmp_path / "out"
+    done = schedule.run_plan(designs.load_plan(str(path)), root, budget_minutes=5, log=lambda line: None)
+    assert sorted(done) == ["a/seed0", "a/seed1"]
+    assert main(["report", "--plan", str(path), "--root", root, "--out", str(out)]) == 0
+    assert (out / "t.md").read_text() == "toy hello: ['a/seed0', 'a/seed1']\n"
+    assert "| t | toy | 2 | 2 | 0 | 0 |" in (out / "progress.md").read_text()
