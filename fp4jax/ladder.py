@@ -29,7 +29,7 @@ import re
 import sys
 
 from fp4jax import logs
-from fp4jax.study import analysis, report, runner
+from fp4jax.study import analysis, plots, report, runner, tables
 from fp4jax.study.command import run_command
 
 __all__ = ["build_parser", "cmd_report", "cmd_run", "main", "parse_overrides", "parse_rungs"]
@@ -115,10 +115,9 @@ def cmd_run(args, passthrough: list[str]) -> None:
 def cmd_report(args) -> None:
     runs = analysis.load_runs(args.root)
     result = analysis.analyze(runs, args.baseline, args.target, _numbers(args.rungs, str, "--rungs"))
-    print(report.to_markdown(result))
-    if args.out:
-        for path in report.write(result, args.out):
-            print(f"wrote {path}")
+    report.write(
+        args.out or None, tables.to_markdown(result), result, lambda base: plots.plot_all(result, base)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

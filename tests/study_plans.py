@@ -1,6 +1,19 @@
 """Plan files for the study's tests: one [[stages]] block of a tiny from-scratch plan as TOML text."""
 
-__all__ = ["stage_toml"]
+import os
+
+__all__ = ["CLAIMS_FROM", "stage_toml"]
+
+# A tiny plan's top-level line that tests the committed study's claims (its [claims] table).
+CLAIMS_FROM = 'claims_from = "{}"\n'.format(
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "fp4jax",
+        "study",
+        "plans",
+        "proxy125m.toml",
+    )
+)
 
 
 def stage_toml(

@@ -43,7 +43,7 @@ def test_the_formats_plan_loads_and_names_presets():
     import os
 
     from fp4jax.ops import PRESETS
-    from fp4jax.study.plan import load_plan
+    from fp4jax.study.designs import load_plan
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     plan = load_plan(os.path.join(root, "fp4jax", "study", "plans", "formats125m.toml"))

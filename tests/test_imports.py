@@ -116,3 +116,48 @@ def test_every_library_module_lists_its_public_names_and_each_exists():
         false += [f"{name}.{n}" for n in listed if n not in top_level_names(tree)]
     assert not missing, f"modules without __all__: {missing}"
     assert not false, f"__all__ names that the module does not define: {false}"
+
+
+# fp4jax.study's pipeline, lowest layer first (docs/design.md, Layout): a module imports only modules of its
+# own layer or lower ones. The gate sits below the schedule because the schedule consults it.
+STUDY_LAYERS = (
+    ("runs", "runner", "stats", "command", "records"),
+    ("plan",),
+    ("gate", "analysis"),
+    ("reuse", "progress", "schedule"),
+    ("claims", "lr_stress", "branch_analysis"),
+    ("tables", "plots", "report"),
+    ("scratch", "branching"),
+    ("designs",),
+    ("__main__",),
+)
+
+
+def test_the_study_layers_import_only_downwards():
+    graph = import_graph()
+    rank = {f"fp4jax.study.{m}": i for i, layer in enumerate(STUDY_LAYERS) for m in layer}
+    study = {m for m in graph if m.startswith("fp4jax.study.")}
+    assert study == set(rank), f"modules of fp4jax.study not in STUDY_LAYERS: {sorted(study ^ set(rank))}"
+    upward = [(m, d) for m in study for d in graph[m] if d in rank and rank[d] > rank[m]]
+    assert not upward, f"imports from a lower layer of fp4jax.study into a higher one: {sorted(upward)}"
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph[todo.pop()] - seen:
+            seen.add(d)
+            todo.append(d)
+    return seen
+
+
+def test_the_study_imports_neither_the_models_nor_the_ops():
+    """Only the instruments command (fp4jax.instruments, imported inside it) needs jax's model and ops."""
+    graph = import_graph()
+    for module in (m for m in graph if m.startswith("fp4jax.study.") and m != "fp4jax.study.__main__"):
+        bad = {d for d in reachable(graph, module) if d.startswith(("fp4jax.models", "fp4jax.ops"))}
+        assert not bad, f"{module} reaches {sorted(bad)}"
+    cli = {k: v - {"fp4jax.instruments"} if k == "fp4jax.study.__main__" else v for k, v in graph.items()}
+    assert not any(
+        d.startswith(("fp4jax.models", "fp4jax.ops")) for d in reachable(cli, "fp4jax.study.__main__")
+    )

@@ -1,4 +1,4 @@
-"""The mechanism instruments (fp4jax.study.instruments): planted errors through the same code the command
+"""The mechanism instruments (fp4jax.instruments): planted errors through the same code the command
 line runs, the update metrics on hand-computable AdamW steps, and the command on the tiny trained run."""
 
 import dataclasses
@@ -16,11 +16,11 @@ import pytest
 from long_lane import SLOW
 from tiny_runs import compilation_cache  # noqa: F401  (byte-level tokenizer for the tiny run's config)
 
+from fp4jax import instruments as ins
 from fp4jax.configs import base
 from fp4jax.models import llama
 from fp4jax.ops import get_recipe
 from fp4jax.ops.recipes import MXFP4
-from fp4jax.study import instruments as ins
 from fp4jax.study.__main__ import main
 from fp4jax.training.optimizer import make_optimizer
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from fp4jax.study import analysis, report, runs
+from fp4jax.study import analysis, plots, report, runs, tables
 
 TOKENS_PER_STEP = 100
 
@@ -137,7 +137,7 @@ def test_throughputs_under_different_or_unrecorded_gpu_sharing_give_no_speedup(s
     assert h["runs_per_gpu"] is None and h["tokens_per_s"] == pytest.approx(1250.0)
     assert h["step_speedup"] is None and h["end_to_end_speedup"] is None and h["time_saved"] is None
     assert h["token_overhead"] is not None  # the token metrics do not depend on the sharing
-    line = next(row for row in report.ladder_table(result) if row.startswith("| h16 "))
+    line = next(row for row in tables.ladder_table(result) if row.startswith("| h16 "))
     # The other seeds ran alone: seed 1's recorded 3 makes the group mixed, its missing record unknown.
     assert ("1,250 (mixed: 1, 3 runs per GPU)" if h16_sharing else "1,250 (sharing not recorded)") in line
 
@@ -157,7 +157,7 @@ def test_a_diverged_seed_is_counted_not_averaged_and_reads_diverged(study):
     assert full["counts"] == {"reached": 1, "not_reached": 1, "diverged": 1, "failed": 0, "unfinished": 0}
     assert full["tokens_to_target_n"] == 1 and full["tokens_to_target_sd"] is None
     assert full["token_overhead_se"] is None  # one seed reached: no spread to propagate
-    table = report.to_markdown(result)
+    table = tables.to_markdown(result)
     line = next(line for line in table.splitlines() if line.startswith("| full |"))
     assert "s1: diverged @ step 17" in line and "s2: not reached within budget (3,000 tokens)" in line
     assert "| 1 / 1 / 1 |" in line
@@ -167,7 +167,7 @@ def test_a_lone_diverged_rung_reads_diverged_at_its_step(tmp_path):
     write_run(tmp_path / "fp8" / "seed0", BASE[0])
     extra = {"diverged_step": 12, "diverged_tokens": 1200, "divergence_reason": "loss_spike"}
     write_run(tmp_path / "sr" / "seed0", [(10, 4.3)], status="diverged", extra=extra)
-    table = report.to_markdown(analysis.analyze(analysis.load_runs(str(tmp_path)), "fp8"))
+    table = tables.to_markdown(analysis.analyze(analysis.load_runs(str(tmp_path)), "fp8"))
     assert "| sr | 0 / 1 / 0 | diverged @ step 12 |" in table
 
 
@@ -175,7 +175,7 @@ def test_missing_rung_and_missing_baseline(study):
     all_runs = analysis.load_runs(str(study))
     result = analysis.analyze(all_runs, "fp8", rungs=["fp8", "h16", "h32"])
     assert result["missing_rungs"] == ["h32"] and [g["rung"] for g in result["groups"]] == ["fp8", "h16"]
-    assert "| h32 | missing: no runs under the root |" in report.to_markdown(result)
+    assert "| h32 | missing: no runs under the root |" in tables.to_markdown(result)
     with pytest.raises(ValueError, match="baseline run 'bf16' has no runs"):
         analysis.analyze(all_runs, "bf16")
 
@@ -241,9 +241,11 @@ def test_lr_sweep_table_and_report_files(tmp_path):
     assert curve[0][1] == pytest.approx(3.605) and curve[0][2] == pytest.approx(np.std([3.6, 3.61], ddof=1))
     assert curve[2][1:] == [None, None, 0, 2]
     assert result["groups"][0]["token_overhead"] is None  # the baseline never reached: no overhead, not 0
-    table = report.to_markdown(result)
+    table = tables.to_markdown(result)
     assert "| fp8 | 3.6050 ± 0.0071 | 3.2050 ± 0.0071 | (2 diverged) |" in table
-    paths = report.write(result, str(tmp_path / "out" / "lr"))
+    paths = report.write(
+        str(tmp_path / "out" / "lr"), tables.to_markdown(result), result, lambda b: plots.plot_all(result, b)
+    )
     names = ["lr.md", "lr.json", "lr.png", "lr_overhead.png", "lr_lr.png"]
     assert [os.path.basename(p) for p in paths] == names
     assert all(os.path.getsize(p) > 500 for p in paths)
@@ -279,6 +281,8 @@ def test_diagnostics_over_training_are_reduced_tabled_and_plotted(tmp_path):
     assert d["last_wgrad_by_layer"] == [0.4]
     assert d["overhead"] == pytest.approx((2.0 + 0.05) / (30 * 0.5))  # 30 training lines of 0.5 s
     assert d["probe_steps"] == pytest.approx(0.05 / 0.5)  # the first probe compiles: left out
-    assert "| fp8 | 0 | 10 | 2.000e-02 | - | 4.000e-01 | 13.67% | 0.10 |" in report.to_markdown(result)
-    paths = report.write(result, str(tmp_path / "out" / "d"))
+    assert "| fp8 | 0 | 10 | 2.000e-02 | - | 4.000e-01 | 13.67% | 0.10 |" in tables.to_markdown(result)
+    paths = report.write(
+        str(tmp_path / "out" / "d"), tables.to_markdown(result), result, lambda b: plots.plot_all(result, b)
+    )
     assert paths[-1].endswith("d_diagnostics.png") and os.path.getsize(paths[-1]) > 1000

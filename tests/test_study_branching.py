@@ -13,14 +13,18 @@ import sys
 
 import pytest
 from long_lane import SLOW
+from study_plans import CLAIMS_FROM
 
 from fp4jax.study import __main__ as study_cli
-from fp4jax.study import branching, claims, plan, runner
+from fp4jax.study import branch_analysis, branching, claims, designs, plan, progress, runner, schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BRANCH_PLAN = """
+BRANCH_PLAN = (
+    """
 name = "tiny_branch"
-[[stages]]
+"""
+    + CLAIMS_FROM
+    + """[[stages]]
 name = "branches"
 design = "branch"
 config = "configs/tiny_c4_h16.py"
@@ -37,6 +41,7 @@ run_minutes = 0.01
 a = "fp8"
 b = "mxfp4_full"
 """
+)
 # A trainer that finishes at once. The trunk (no init_from) writes a checkpoint with a manifest at each of
 # keep_checkpoint_steps; a branch refuses (exit 2) unless its trunk has the checkpoint it starts from, and
 # evaluates every step after it: 5 - ln(tokens) / 10, arm b 0.01 + 0.003 x seed nats higher (or, from
@@ -80,7 +85,7 @@ def branch_plan(tmp_path, monkeypatch):
     )
     path = tmp_path / "branch.toml"
     path.write_text(BRANCH_PLAN)
-    return plan.load_plan(str(path))
+    return designs.load_plan(str(path))
 
 
 def _command(root, label):
@@ -91,7 +96,7 @@ def _command(root, label):
 def test_trunks_run_first_then_every_branch_and_a_second_call_runs_nothing(branch_plan, tmp_path):
     root = str(tmp_path / "runs")
     lines = []
-    done = plan.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
+    done = schedule.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
     started = [line.split("start branches/")[1] for line in lines if "start branches/" in line]
     trunks = ["trunk/seed0", "trunk/seed1"]
     # Per seed, per arm, both branch points in turn (an arm's compiled step serves both).
@@ -107,10 +112,10 @@ def test_trunks_run_first_then_every_branch_and_a_second_call_runs_nothing(branc
     assert "--config.recipe=mxfp4_full" in branch and branch.index("--config.steps=7") > branch.index(
         "--config.steps=4"
     )  # the branch's horizon comes after the stage's: the last one wins
-    assert plan.stage_complete(root, branch_plan.stages[0])
+    assert progress.stage_complete(root, branch_plan.stages[0])
 
     again = []
-    assert plan.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}
+    assert schedule.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}
     assert sum("not rerun" in line for line in again) == 10 and not any("start" in line for line in again)
 
 
@@ -119,7 +124,7 @@ def test_two_slots_start_branches_of_different_arms_together(branch_plan, tmp_pa
     from the cache) while another arm's branch takes the free slot; one slot keeps the plain order."""
     root = str(tmp_path / "runs")
     lines = []
-    plan.run_plan(
+    schedule.run_plan(
         branch_plan, root, budget_minutes=5, parallel=2, gpus=["0", "0"], seeds=[0], log=lines.append
     )
     started = [
@@ -133,8 +138,8 @@ def test_two_slots_start_branches_of_different_arms_together(branch_plan, tmp_pa
 
 def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(branch_plan, tmp_path):
     root = str(tmp_path / "runs")
-    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
-    result = branching.analyze(plan.stage_root(root, branch_plan.stages[0]), branch_plan.stages[0])
+    schedule.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    result = branch_analysis.analyze(plan.stage_root(root, branch_plan.stages[0]), branch_plan.stages[0])
     early, late = result["points"]
     assert early["at"] == 2 and [e["tokens"] for e in early["evals"]] == [3000, 4000, 5000]
     assert [e["tokens"] for e in late["evals"]] == [5000, 6000, 7000] and not late["missing"]
@@ -149,7 +154,7 @@ def test_the_analysis_pairs_each_branch_with_the_baselines_from_the_same_trunk(b
         assert row["paired"][key] == pytest.approx(c[key])
     baseline = late["evals"][0]["arms"]["a"]
     assert baseline["mean_difference"] == 0 and baseline["contrast"] is None and baseline["paired"] is None
-    text = branching.to_markdown(result)
+    text = branch_analysis.to_markdown(result)
     assert "Branched at step 4:" in text and "| b | +0.0115 |" in text
 
     out = tmp_path / "report"
@@ -201,10 +206,10 @@ def test_the_report_judges_the_claims_per_branch_step_with_trunks_as_blocks(
     text = text.split("[stages.arms]")[0]
     path = tmp_path / "ladder.toml"
     path.write_text(text + "[stages.arms]\n" + "".join(f'{a} = "{r}"\n' for a, r in LADDER_ARMS.items()))
-    ladder = plan.load_plan(str(path))
+    ladder = designs.load_plan(str(path))
     root, out = str(tmp_path / "runs"), tmp_path / "report"
     report = ["report", "--plan", ladder.path, "--root", root, "--out", str(out)]
-    plan.run_plan(ladder, root, budget_minutes=5, seeds=[0], log=lambda line: None)
+    schedule.run_plan(ladder, root, budget_minutes=5, seeds=[0], log=lambda line: None)
     assert study_cli.main(report) == 0
     one = json.loads((out / "branches_claims_at4.json").read_text())
     # (b) is judged on divergence first: no branch diverged, so it is not testable as stated at any df.
@@ -213,7 +218,7 @@ def test_the_report_judges_the_claims_per_branch_step_with_trunks_as_blocks(
     assert set(verdicts.values()) == {"not yet estimable"}
     assert one["interim"] and "fp8/seed1" in one["cells_pending"]  # trunks 1 and 2 are planned
 
-    plan.run_plan(ladder, root, budget_minutes=5, log=lambda line: None)
+    schedule.run_plan(ladder, root, budget_minutes=5, log=lambda line: None)
     assert study_cli.main(report) == 0
     for at, tokens in ((2, [4000, 5000, 6000, 7000, 8000]), (4, [6000, 7000, 8000, 9000, 10000])):
         result = json.loads((out / f"branches_claims_at{at}.json").read_text())
@@ -275,10 +280,10 @@ def _lose_checkpoints_and_late_branches(root):
 
 def test_a_finished_trunk_without_its_checkpoints_is_trained_again_and_branched_from(branch_plan, tmp_path):
     root = str(tmp_path / "runs")
-    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    schedule.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
     sroot = _lose_checkpoints_and_late_branches(root)
     lines = []
-    done = plan.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
+    done = schedule.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
     started = [line.split("start branches/")[1] for line in lines if "start branches/" in line]
     assert started == ["trunk/seed0/regenerated", "trunk/seed1/regenerated", "b/at4/seed0", "b/at4/seed1"]
     assert sorted(done) == sorted(started)
@@ -290,15 +295,15 @@ def test_a_finished_trunk_without_its_checkpoints_is_trained_again_and_branched_
     with open(os.path.join(sroot, "trunk", "seed1", "regenerated", "identity.json")) as f:
         assert json.load(f)["4"]["first_difference"] is None
     # The copy is scratch (the analysis reads the branches), and a third call runs nothing.
-    late = branching.analyze(sroot, branch_plan.stages[0])["points"][1]
+    late = branch_analysis.analyze(sroot, branch_plan.stages[0])["points"][1]
     assert late["at"] == 4 and not late["missing"]
     again = []
-    assert plan.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}
+    assert schedule.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}
 
 
 def test_a_trunk_that_does_not_repeat_leaves_its_branches_waiting(branch_plan, tmp_path):
     root = str(tmp_path / "runs")
-    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    schedule.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
     sroot = _lose_checkpoints_and_late_branches(root)
     metrics = os.path.join(sroot, "trunk", "seed0", "metrics.jsonl")
     with open(metrics) as f:
@@ -307,35 +312,35 @@ def test_a_trunk_that_does_not_repeat_leaves_its_branches_waiting(branch_plan, t
     with open(metrics, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     lines = []
-    done = plan.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
+    done = schedule.run_plan(branch_plan, root, budget_minutes=5, log=lines.append)
     assert sorted(done) == ["b/at4/seed1", "trunk/seed0/regenerated", "trunk/seed1/regenerated"]
     assert any("trunk/seed0/regenerated differs from its trunk from step 3" in line for line in lines)
     assert "study: b/at4/seed0 waits: its trunk has no checkpoint at step 4 yet" in lines
     again = []
-    assert plan.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}  # not retried
+    assert schedule.run_plan(branch_plan, root, budget_minutes=5, log=again.append) == {}  # not retried
 
 
 def test_a_call_for_one_seed_trains_only_that_trunk_again(branch_plan, tmp_path):
     root = str(tmp_path / "runs")
-    plan.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
+    schedule.run_plan(branch_plan, root, budget_minutes=5, log=lambda line: None)
     sroot = _lose_checkpoints_and_late_branches(root)
-    done = plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[1], log=lambda line: None)
+    done = schedule.run_plan(branch_plan, root, budget_minutes=5, seeds=[1], log=lambda line: None)
     assert sorted(done) == ["b/at4/seed1", "trunk/seed1/regenerated"]
     assert not os.path.exists(os.path.join(sroot, "trunk", "seed0", "regenerated"))
     with pytest.raises(ValueError, match="--seed 7: not a seed of these stages; use 0, 1"):
-        plan.run_plan(branch_plan, root, budget_minutes=5, seeds=[7], log=lambda line: None)
+        schedule.run_plan(branch_plan, root, budget_minutes=5, seeds=[7], log=lambda line: None)
 
 
 def test_progress_counts_what_is_left_and_the_report_writes_it(branch_plan, tmp_path, capsys):
     root = str(tmp_path / "runs")
-    (before,) = plan.progress(branch_plan, root)
+    (before,) = progress.progress(branch_plan, root)
     assert (before["runs"], before["finished"], before["left"], before["waits_for"]) == (10, 0, 10, None)
     # run_minutes 0.01 a branch of 3 updates; a trunk of 4 updates counts 4 / 3 of it.
     assert before["gpu_minutes_left"] == round(8 * 0.01 + 2 * 0.01 * 4 / 3, 1)
     run = ["run", "--plan", branch_plan.path, "--root", root, "--budget-minutes", "5", "--seed", "0"]
     assert study_cli.main(run) == 0
     assert "| branches | branch | 10 | 5 | 0 | 5 |" in capsys.readouterr().out  # a call ends with it
-    (half,) = plan.progress(branch_plan, root)
+    (half,) = progress.progress(branch_plan, root)
     assert (half["finished"], half["left"], half["diverged_or_failed"]) == (5, 5, 0)
     out = tmp_path / "report"
     assert study_cli.main(["report", "--plan", branch_plan.path, "--root", root, "--out", str(out)]) == 0
@@ -365,7 +370,7 @@ def test_bad_branch_stages_are_one_line_errors(tmp_path, edit, message):
     path = tmp_path / "bad.toml"
     path.write_text(BRANCH_PLAN.replace(*edit))
     with pytest.raises(ValueError, match=re.escape(message)) as info:
-        plan.load_plan(str(path))
+        designs.load_plan(str(path))
     assert "\n" not in str(info.value)
 
 
@@ -375,19 +380,19 @@ def test_a_branch_expects_its_own_updates_only(branch_plan, tmp_path):
     stage = branch_plan.stages[0]
     specs = {s.label: s for s in plan.stage_specs(stage)}
     fresh = str(tmp_path / "fresh")
-    assert plan.expected_minutes(specs["trunk/seed0"], fresh, stage, {}) == pytest.approx(0.01 * 4 / 3)
-    assert plan.expected_minutes(specs["b/at4/seed0"], fresh, stage, {}) == pytest.approx(0.01)
+    assert progress.expected_minutes(specs["trunk/seed0"], fresh, stage, {}) == pytest.approx(0.01 * 4 / 3)
+    assert progress.expected_minutes(specs["b/at4/seed0"], fresh, stage, {}) == pytest.approx(0.01)
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints" / "5").mkdir(parents=True)
-    left = plan.expected_minutes(specs["b/at4/seed0"], str(resumed), stage, {})
-    assert left == pytest.approx(0.01 * 2 / 3 + plan.RESUME_OVERHEAD_MINUTES)
+    left = progress.expected_minutes(specs["b/at4/seed0"], str(resumed), stage, {})
+    assert left == pytest.approx(0.01 * 2 / 3 + progress.RESUME_OVERHEAD_MINUTES)
 
 
 def test_the_example_plan_loads_and_its_trunk_keeps_the_branch_points(monkeypatch):
     monkeypatch.chdir(ROOT)
-    stage = plan.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "branch125m.toml")).stages[0]
+    stage = designs.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "branch125m.toml")).stages[0]
     specs = plan.stage_specs(stage)
-    assert (stage.steps, stage.branch_steps, len(specs)) == (600, (250, 600), 3 + 5 * 2 * 3)
+    assert (stage.steps, stage.options.branch_steps, len(specs)) == (600, (250, 600), 3 + 5 * 2 * 3)
     trunk = runner.load_config(stage.config, specs[0].config_args([]))
     assert trunk.keep_checkpoint_steps == (250, 600) and trunk.recipe == "fp8_mlperf" and trunk.steps == 600
     late = next(s for s in specs if s.label == "full_h16/at600/seed2")
@@ -399,7 +404,7 @@ def test_an_arm_branched_at_some_points_only(tmp_path):
     """arm_branch_steps: `b` branches from step 4 only; every other arm from every branch step."""
     path = tmp_path / "late.toml"
     path.write_text(BRANCH_PLAN.replace("seeds = [0, 1]", "seeds = [0, 1]\narm_branch_steps = { b = [4] }"))
-    stage = plan.load_plan(str(path)).stages[0]
+    stage = designs.load_plan(str(path)).stages[0]
     labels = [s.label for s in plan.stage_specs(stage)]
     assert labels == [
         "trunk/seed0", "trunk/seed1",
@@ -412,7 +417,7 @@ def test_the_decomposition_arms_branch_from_the_late_point_only(monkeypatch):
     """proxy125m's stage `branching` (study_plan.md, amendment "H16's channel"): ten arms at 250 and 600,
     the three decomposition arms at 600 only, each with the preset the amendment names."""
     monkeypatch.chdir(ROOT)
-    stage = plan.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")).stage(
+    stage = designs.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")).stage(
         "branching"
     )
     specs = plan.stage_specs(stage)
@@ -424,7 +429,7 @@ def test_the_decomposition_arms_branch_from_the_late_point_only(monkeypatch):
     }
     assert {arm: stage.arms[arm] for arm in late} == late
     assert all(branching.steps_of(stage, arm) == (600,) for arm in late)
-    assert not [s for s in specs if branching.arm_of(s) in late and s.at != 600]
+    assert not [s for s in specs if schedule.arm_of(s) in late and s.at != 600]
 
 
 def test_the_350m_confirmation_plan_loads_and_plans_every_claims_contrast_but_c4(monkeypatch):
@@ -432,12 +437,14 @@ def test_the_350m_confirmation_plan_loads_and_plans_every_claims_contrast_but_c4
     600 updates, 8 arms x 3 trunks branches of 250, the 350M model at the pre-registered LR; its arms
     make every contrast that a claim's verdict uses (C1-C3, C5-C7, C10), and C4 is outside its design."""
     monkeypatch.chdir(ROOT)
-    stage = plan.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "confirm350m.toml")).stages[0]
+    confirmation = designs.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "confirm350m.toml"))
+    stage = confirmation.stages[0]
+    H = claims.Hypotheses.from_plan(confirmation)  # the 125M plan's claims (claims_from)
     specs = plan.stage_specs(stage)
-    assert (stage.steps, stage.branch_steps, len(specs)) == (600, (600,), 3 + 8 * 3)
+    assert (stage.steps, stage.options.branch_steps, len(specs)) == (600, (600,), 3 + 8 * 3)
     trunk = runner.load_config(stage.config, specs[0].config_args([]))
     assert (trunk.model.size, trunk.recipe, trunk.keep_checkpoint_steps) == ("350m", "fp8_mlperf", (600,))
     assert trunk.optimizer.peak_lr == pytest.approx(1.5e-3 * 768 / 1024)
     assert trunk.xla_gpu_deterministic_ops and trunk.model.attention == "pallas"
-    planned = {name for name, w in claims.CONTRASTS.items() if set(w) <= set(stage.arms)}
-    assert planned == set(claims.CONTRASTS) - {"C4"}
+    planned = {name for name, w in H.contrasts.items() if set(w) <= set(stage.arms)}
+    assert planned == set(H.contrasts) - {"C4"}

@@ -4,11 +4,19 @@ by all arms and small independent noise; the contrasts, token overheads and verd
 was planted."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 
-from fp4jax.study import analysis, branching, claims
+from fp4jax.study import analysis, branch_analysis, claims, designs, plots
+from fp4jax.study.runs import Eval
+
+# The claims the committed plan states (its [claims] table): the tests plant effects against them.
+PLAN = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fp4jax", "study", "plans", "proxy125m.toml"
+)
+H = claims.Hypotheses.from_plan(designs.load_plan(PLAN))
 
 E, A, ALPHA = 3.0, 60.0, 0.3
 TOKENS = [1_000_000 * k for k in range(1, 21)]
@@ -17,7 +25,7 @@ ARMS = ["fp8", "fprop", "fprop_dgrad", "full", "full_sr", "full_sr_prescale", "f
 
 def _run(arm: str, seed: int, stretch: float, seed_shift: float, noise, status="not_reached"):
     evals = tuple(
-        (i + 1, t, E + A * (t / stretch) ** -ALPHA + seed_shift + float(noise[i]))
+        Eval(i + 1, t, E + A * (t / stretch) ** -ALPHA + seed_shift + float(noise[i]))
         for i, t in enumerate(TOKENS)
     )
     return analysis.StudyRun(
@@ -37,7 +45,7 @@ def _runs(stretches: dict[str, float], seeds=(0, 1, 2), noise_sd=2e-4, rng_seed=
 
 def _study(**overheads):
     stretch = {arm: 1.0 + overheads.get(arm, 0.0) for arm in ARMS}  # L_arm(T) = L(T / (1 + overhead))
-    return claims.analyze(_runs(stretch), "fp8", ARMS, last_k=5)
+    return claims.analyze(_runs(stretch), "fp8", ARMS, last_k=5, h=H)
 
 
 def _derived(result, name):
@@ -89,7 +97,7 @@ def _verdict_a(c1, c2, c3, front, ordering):
     rows = [_contrast_row(n, *v) for n, v in (("C1", c1), ("C2", c2), ("C3", c3))]
     sums = [_contrast_row(n, *v, "p_bonferroni") for n, v in (("C2 + C3", front), ("C1 - C2 - C3", ordering))]
     result = {"contrasts": rows, "derived": sums, "not_estimable": [], "not_in_design": []}
-    return claims.claim_verdicts({**result, "excluded": [], "cells": {}})["a"]["preregistered"]["verdict"]
+    return claims.claim_verdicts({**result, "excluded": [], "cells": {}}, H)["a"]["preregistered"]["verdict"]
 
 
 # (estimate, unadjusted p) of C1, C2, C3, C2 + C3 and C1 - C2 - C3, and claim (a)'s verdict.
@@ -120,7 +128,7 @@ def test_claim_a_sums_are_judged_by_bonferroni_over_the_holm_family():
     result = _study(**WGRAD_DOMINATED, full_sr_prescale=0.15, full_h16=0.03)
     m = len(result["contrasts"])
     sums = {r["name"]: r for r in result["derived"]}
-    assert set(sums) == set(claims.DERIVED) and m == 7  # ARMS plans no h16_wgrad_only: no C4
+    assert set(sums) == set(H.derived) and m == 7  # ARMS plans no h16_wgrad_only: no C4
     for row in sums.values():
         assert row["family_size"] == m
         assert row["p_bonferroni"] == pytest.approx(min(1.0, row["p"] * m))
@@ -140,7 +148,7 @@ def test_a_stabiliser_that_helps_refutes_b_and_an_h16_far_above_fprop_refutes_c(
 
 def test_missing_arms_make_an_interim_analysis_and_verdicts_that_say_what_they_need():
     stretch = {"fp8": 1.0, "full": 1.1, "full_h16": 1.02}
-    result = claims.analyze(_runs(stretch), "fp8", ARMS, last_k=5)
+    result = claims.analyze(_runs(stretch), "fp8", ARMS, last_k=5, h=H)
     assert result["interim"] and "fprop" in result["arms_missing"]
     assert result["contrasts"] == [] and "C10" in result["not_estimable"]
     verdict = result["verdicts"]["c"]
@@ -163,7 +171,7 @@ def test_a_design_without_some_arms_judges_what_it_plans_and_is_not_interim_for_
 
     without_h16 = [a for a in ARMS if a != "full_h16"]
     stretch = {arm: 1.0 + WGRAD_DOMINATED.get(arm, 0.0) for arm in without_h16}
-    result = claims.analyze(_runs(stretch), "fp8", without_h16, last_k=5)
+    result = claims.analyze(_runs(stretch), "fp8", without_h16, last_k=5, h=H)
     assert result["verdicts"]["c"]["verdict"] == "not in this design"
     assert result["verdicts"]["c"]["why"] == "needs C10 (arms not planned)"
     assert result["verdicts"]["a"]["verdict"] == "supported"
@@ -171,7 +179,7 @@ def test_a_design_without_some_arms_judges_what_it_plans_and_is_not_interim_for_
 
 def test_planned_seeds_not_yet_ended_make_the_analysis_interim_but_a_diverged_run_does_not():
     stretch = {arm: 1.0 for arm in ARMS}
-    two_seeds = claims.analyze(_runs(stretch, seeds=(0, 1)), "fp8", ARMS, last_k=5, seeds=(0, 1, 2))
+    two_seeds = claims.analyze(_runs(stretch, seeds=(0, 1)), "fp8", ARMS, last_k=5, h=H, seeds=(0, 1, 2))
     assert two_seeds["interim"] and two_seeds["arms_missing"] == []
     assert two_seeds["cells_pending"] == [f"{arm}/seed2" for arm in ARMS]
     assert two_seeds["df"] == 7  # the verdicts are computed, on the blocks present
@@ -179,10 +187,10 @@ def test_planned_seeds_not_yet_ended_make_the_analysis_interim_but_a_diverged_ru
 
     every = _runs(stretch)
     every[-1] = analysis.StudyRun(**{**every[-1].__dict__, "status": "unfinished"})
-    result = claims.analyze(every, "fp8", ARMS, last_k=5, seeds=(0, 1, 2))
+    result = claims.analyze(every, "fp8", ARMS, last_k=5, h=H, seeds=(0, 1, 2))
     assert result["cells_pending"] == [f"{ARMS[-1]}/seed2"] and result["interim"]
     every[-1] = analysis.StudyRun(**{**every[-1].__dict__, "status": "diverged"})
-    result = claims.analyze(every, "fp8", ARMS, last_k=5, seeds=(0, 1, 2))
+    result = claims.analyze(every, "fp8", ARMS, last_k=5, h=H, seeds=(0, 1, 2))
     assert result["cells_pending"] == [] and not result["interim"]
     assert "Interim" not in claims.to_markdown(result)
 
@@ -200,7 +208,7 @@ def test_the_secondary_metric_is_the_final_evaluation_in_the_same_model_without_
         )
         for r in _runs({arm: 1.0 for arm in ARMS})
     ]
-    result = claims.analyze(runs, "fp8", ARMS, last_k=5)
+    result = claims.analyze(runs, "fp8", ARMS, last_k=5, h=H)
     secondary = result["secondary"]
     assert secondary["cells"] == len(ARMS) * 3 and secondary["df"] == (len(ARMS) - 1) * 2
     assert secondary["pooled_sd"] < 3e-4  # the shared seed effect (sd 0.03) is not in the residual
@@ -213,15 +221,15 @@ def test_the_secondary_metric_is_the_final_evaluation_in_the_same_model_without_
     assert "Secondary metric: final evaluation" in claims.to_markdown(result)
 
     runs[0] = dataclasses.replace(runs[0], status="unfinished")
-    assert claims.analyze(runs, "fp8", ARMS, last_k=5)["secondary"]["cells"] == len(ARMS) * 3 - 1
-    assert claims.analyze(_runs({arm: 1.0 for arm in ARMS}), "fp8", ARMS, last_k=5)["secondary"] is None
+    assert claims.analyze(runs, "fp8", ARMS, last_k=5, h=H)["secondary"]["cells"] == len(ARMS) * 3 - 1
+    assert claims.analyze(_runs({arm: 1.0 for arm in ARMS}), "fp8", ARMS, last_k=5, h=H)["secondary"] is None
 
 
 def test_a_diverged_run_is_excluded_and_listed():
     runs = _runs({"fp8": 1.0, "full": 1.1})
     broken = runs[-1]
     runs[-1] = analysis.StudyRun(**{**broken.__dict__, "status": "diverged"})
-    result = claims.analyze(runs, "fp8", ["fp8", "full"], last_k=5)
+    result = claims.analyze(runs, "fp8", ["fp8", "full"], last_k=5, h=H)
     assert result["excluded"] == [{"arm": "full", "seed": 2, "status": "diverged"}]
     assert "full/seed2" not in result["cells"] and len(result["cells"]) == 5
 
@@ -230,9 +238,11 @@ def test_the_literature_contrasts_are_reported_outside_the_holm_family():
     arms = [*ARMS, "tseng", "nvidia"]
     stretch = {arm: 1.0 + (0.15 if arm.startswith("full") else 0.03) for arm in arms}
     stretch["fp8"] = 1.0
-    with_lit = claims.analyze(_runs(stretch), "fp8", arms, last_k=5)
-    without = claims.analyze(_runs({a: s for a, s in stretch.items() if a in ARMS}), "fp8", ARMS, last_k=5)
-    estimable = [name for name, w in claims.REPORTED.items() if set(w) <= set(arms)]
+    with_lit = claims.analyze(_runs(stretch), "fp8", arms, last_k=5, h=H)
+    without = claims.analyze(
+        _runs({a: s for a, s in stretch.items() if a in ARMS}), "fp8", ARMS, last_k=5, h=H
+    )
+    estimable = [name for name, w in H.reported.items() if set(w) <= set(arms)]
     assert [r["name"] for r in with_lit["reported"]] == estimable and "full - full_h16" in estimable
     assert "p_holm" not in with_lit["reported"][0]
     # The literature's arms do not change the family: its pooled variance, df and correction are the
@@ -253,8 +263,8 @@ def test_a_noisy_literature_arm_widens_its_own_rows_and_not_the_familys():
     noisy = [r for r in quiet if r.rung != "tseng"] + [
         _shifted(r, 0.03 if r.seed == 2 else -0.015) for r in quiet if r.rung == "tseng"
     ]
-    result = claims.analyze(noisy, "fp8", arms, last_k=5)
-    family_only = claims.analyze([r for r in noisy if r.rung != "tseng"], "fp8", ARMS, last_k=5)
+    result = claims.analyze(noisy, "fp8", arms, last_k=5, h=H)
+    family_only = claims.analyze([r for r in noisy if r.rung != "tseng"], "fp8", ARMS, last_k=5, h=H)
     assert result["contrasts"] == family_only["contrasts"]
     assert result["family_arms"] == ARMS and result["df"] == family_only["df"] == (len(ARMS) - 1) * 2
     model = result["reported_model"]
@@ -266,25 +276,23 @@ def test_a_noisy_literature_arm_widens_its_own_rows_and_not_the_familys():
 
 
 def _shifted(run, by: float):
-    return dataclasses.replace(run, evals=tuple((i, t, loss + by) for i, t, loss in run.evals))
+    return dataclasses.replace(run, evals=tuple(Eval(e.step, e.tokens, e.loss + by) for e in run.evals))
 
 
 def test_designs_side_by_side_plot_each_contrast_once_per_design(tmp_path, monkeypatch):
-    """claims.design_forest_plot: one row per contrast present in any design (full - fp8 first), each
+    """plots.claims_by_design: one row per contrast present in any design (full - fp8 first), each
     design's token overhead in it, None where that design lacks the contrast; the figure is written."""
     every = _study(**WGRAD_DOMINATED, full_sr_prescale=0.15, full_h16=0.03)
-    partial = claims.analyze(_runs({"fp8": 1.0, "fprop": 1.03, "full": 1.15}), "fp8", ARMS, last_k=5)
+    partial = claims.analyze(_runs({"fp8": 1.0, "fprop": 1.03, "full": 1.15}), "fp8", ARMS, last_k=5, h=H)
     seen = {}
-    draw = claims.plots.plot_forest_by_design
-    monkeypatch.setattr(
-        claims.plots, "plot_forest_by_design", lambda *a, **k: seen.update(args=a) or draw(*a, **k)
-    )
-    claims.design_forest_plot({"scratch": every, "fewer arms": partial}, str(tmp_path / "d.png"))
+    draw = plots.plot_forest_by_design
+    monkeypatch.setattr(plots, "plot_forest_by_design", lambda *a, **k: seen.update(args=a) or draw(*a, **k))
+    plots.claims_by_design({"scratch": every, "fewer arms": partial}, H, str(tmp_path / "d.png"))
     labels, series, band, _ = seen["args"]
     assert labels[0] == "full - fp8" and labels[1] == "C1: full - fprop_dgrad" and len(labels) == 10
     assert labels[-1] == "C2 + C3: +1 fprop_dgrad -1 fp8"  # claim (a)'s sums after the family
     assert not any(label.startswith("C4") for label in labels)  # h16_wgrad_only is in neither design
-    assert band == claims.TOKEN_BAND
+    assert band == H.token_band
     assert series["scratch"][0] == _row(every, "full - fp8")["tokens"]
     assert series["fewer arms"][2] == _row(partial, "C2")["tokens"]  # fprop - fp8: present in both
     assert series["fewer arms"][1] is None  # C1 needs fprop_dgrad, not run there
@@ -304,7 +312,7 @@ def test_a_verdict_only_the_pooled_model_reaches_is_model_dependent():
     }
     shift = {0: 0.004, 1: -0.004, 2: 0.0}
     runs = [_shifted(r, shift[r.seed]) if r.rung == "full" else r for r in _runs(stretch)]
-    result = claims.analyze(runs, "fp8", ARMS, last_k=5)
+    result = claims.analyze(runs, "fp8", ARMS, last_k=5, h=H)
     verdict = result["verdicts"]["a"]
     assert verdict["verdict"] == "model-dependent" and verdict["model_dependent"]
     assert verdict["pooled"]["verdict"] == "supported"
@@ -336,10 +344,13 @@ def _with_status(runs, cells: dict):
 )
 def test_claim_b_as_stated_is_judged_on_divergence_where_full_diverges(stabilisers_diverge, verdict):
     base = _runs({arm: 1.0 + WGRAD_DOMINATED.get(arm, 0.0) for arm in ARMS})
-    assert claims.analyze(base, "fp8", ARMS, last_k=5)["verdicts"]["b"]["verdict"] == "not testable as stated"
+    assert (
+        claims.analyze(base, "fp8", ARMS, last_k=5, h=H)["verdicts"]["b"]["verdict"]
+        == "not testable as stated"
+    )
     diverged = {("full", 0): "diverged"}
     diverged |= {(arm, s): "diverged" for arm, seeds in stabilisers_diverge.items() for s in seeds}
-    result = claims.analyze(_with_status(base, diverged), "fp8", ARMS, last_k=5)
+    result = claims.analyze(_with_status(base, diverged), "fp8", ARMS, last_k=5, h=H)
     assert result["verdicts"]["b"]["verdict"] == verdict
     assert result["verdicts"]["b"]["why"].startswith("full diverged in seed0; there full_sr: diverged")
     assert "loss_reading" in result["verdicts"]["b"]
@@ -349,7 +360,7 @@ def test_claim_b_is_not_resolved_where_a_stabiliser_has_not_ended_in_a_block_whe
     base = _runs({arm: 1.0 + WGRAD_DOMINATED.get(arm, 0.0) for arm in ARMS})
     cells = {("full", 0): "diverged", ("full_sr", 0): "diverged", ("full_sr_prescale", 0): "diverged"}
     cells[("full_rht", 0)] = "unfinished"
-    result = claims.analyze(_with_status(base, cells), "fp8", ARMS, last_k=5)
+    result = claims.analyze(_with_status(base, cells), "fp8", ARMS, last_k=5, h=H)
     assert result["verdicts"]["b"]["verdict"] == "not resolved at this scale"
     assert result["verdicts"]["b"]["why"].endswith("full_rht: -")
 
@@ -360,9 +371,9 @@ def test_claim_b_loss_reading_needs_every_improvements_bound_within_the_margin()
     stretch = {arm: 1.0 + {**WGRAD_DOMINATED, "full_sr_prescale": 0.15}.get(arm, 0.0) for arm in ARMS}
     shift = {0: 0.01, 1: -0.01, 2: 0.0}
     runs = [_shifted(r, shift[r.seed]) if r.rung == "full_rht" else r for r in _runs(stretch)]
-    verdicts = claims.analyze(runs, "fp8", ARMS, last_k=5)["verdicts"]
+    verdicts = claims.analyze(runs, "fp8", ARMS, last_k=5, h=H)["verdicts"]
     assert verdicts["b"]["loss_reading"]["verdict"] == "not resolved at this scale"
-    assert verdicts["b"]["loss_reading"]["margin"] == claims.MARGIN == 0.025
+    assert verdicts["b"]["loss_reading"]["margin"] == H.margin == 0.025
     assert verdicts["b"]["preregistered"]["verdict"] == "supported"
 
 
@@ -374,7 +385,9 @@ def _branch(arm: str, seed: int, rho_b: float, seed_shift: float, noise):
     tokens, L(T0 + (T - T0) / rho_b)."""
     t0 = TRUNK_STEP * TOKENS_PER_STEP
     evals = tuple(
-        (t // TOKENS_PER_STEP, t, E + A * (t0 + (t - t0) / rho_b) ** -ALPHA + seed_shift + float(noise[i]))
+        Eval(
+            t // TOKENS_PER_STEP, t, E + A * (t0 + (t - t0) / rho_b) ** -ALPHA + seed_shift + float(noise[i])
+        )
         for i, t in enumerate(TOKENS[TRUNK_STEP:])
     )
     return analysis.StudyRun(
@@ -393,8 +406,10 @@ def test_a_branch_designs_overheads_per_branch_token_recover_the_planted_stretch
     runs = [
         _branch(a, s, rho, shifts[s], rng.normal(0, 2e-5, 10)) for a, rho in planted.items() for s in shifts
     ]
-    assert branching.trunk_tokens(runs, TRUNK_STEP) == TRUNK_STEP * TOKENS_PER_STEP
-    result = claims.analyze(runs, "fp8", ARMS, 5, trunk_tokens=branching.trunk_tokens(runs, TRUNK_STEP))
+    assert branch_analysis.trunk_tokens(runs, TRUNK_STEP) == TRUNK_STEP * TOKENS_PER_STEP
+    result = claims.analyze(
+        runs, "fp8", ARMS, 5, H, trunk_tokens=branch_analysis.trunk_tokens(runs, TRUNK_STEP)
+    )
     full = _row(result, "full - fp8")
     assert full["per_branch_token"]["ci_low"] <= 0.15 <= full["per_branch_token"]["ci_high"]
     assert full["tokens"]["overhead"] == pytest.approx(0.15 * 0.45 / 1.45, abs=0.015)  # diluted by the trunk
@@ -408,6 +423,6 @@ def test_a_branch_designs_overheads_per_branch_token_recover_the_planted_stretch
 
 def test_trunk_tokens_refuse_branches_of_different_batch_sizes():
     runs = [_branch("fp8", 0, 1.0, 0.0, np.zeros(10))]
-    odd = dataclasses.replace(runs[0], evals=((11, 12_000_000, 4.0),))
+    odd = dataclasses.replace(runs[0], evals=(Eval(11, 12_000_000, 4.0),))
     with pytest.raises(ValueError, match="tokens per update, not one whole number"):
-        branching.trunk_tokens([*runs, odd], TRUNK_STEP)
+        branch_analysis.trunk_tokens([*runs, odd], TRUNK_STEP)

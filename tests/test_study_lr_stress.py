@@ -8,10 +8,10 @@ import os
 import re
 
 import pytest
-from study_plans import stage_toml
+from study_plans import CLAIMS_FROM, stage_toml
 
 from fp4jax.study import __main__ as study_cli
-from fp4jax.study import lr_stress, plan, runner, runs
+from fp4jax.study import designs, lr_stress, plan, report, reuse, runner, runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
@@ -25,7 +25,13 @@ def _stage(name: str, lr: float, extra: str = "") -> str:
 
 
 STRESS = 'lr_reference = "ref"\ncount_spikes = { spike_nats = 0.1, window = 20 }\n'
-TINY = 'name = "tiny"\n' + _stage("ref", 1e-3) + _stage("x4", 4e-3, STRESS) + _stage("x16", 1.6e-2, STRESS)
+TINY = (
+    'name = "tiny"\n'
+    + CLAIMS_FROM
+    + _stage("ref", 1e-3)
+    + _stage("x4", 4e-3, STRESS)
+    + _stage("x16", 1.6e-2, STRESS)
+)
 
 
 @pytest.fixture
@@ -33,7 +39,7 @@ def tiny(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     path = tmp_path / "tiny.toml"
     path.write_text(TINY)
-    return plan.load_plan(str(path))
+    return designs.load_plan(str(path))
 
 
 def write_run(run_dir, offset: float, *, bump=None, stop=None):
@@ -90,15 +96,15 @@ def write_stages(root, stages=("ref", "x4", "x16"), offsets=OFFSETS, special=Non
 
 
 def test_the_committed_plan_runs_the_lr_stress_test_at_4x_and_16x_against_the_ladder():
-    p = plan.load_plan(PLAN)
+    p = designs.load_plan(PLAN)
     ladder = p.stage("ladder")
     arms = {"fp8": "fp8_mlperf", "full": "mxfp4_full"}
     arms |= {"full_h16": "mxfp4_full_h16", "full_sr_prescale": "mxfp4_full_sr_prescale"}
     for name, times in (("lr_stress_4x", 4), ("lr_stress_16x", 16)):
         s = p.stage(name)
-        assert s.arms == arms and s.seeds == (0, 1) and s.lr_reference == "ladder"
+        assert s.arms == arms and s.seeds == (0, 1) and s.options.lr_reference == "ladder"
         assert s.peak_lr == pytest.approx(times * ladder.peak_lr) and s.requires == ("calibration",)
-        assert s.count_spikes == {"spike_nats": 0.1, "window": 20}
+        assert s.options.count_spikes == {"spike_nats": 0.1, "window": 20}
         rule = {"divergence.spike_nats": 1.0, "divergence.window": 20}
         assert s.overrides == {**ladder.overrides, **rule}
         spec = plan.stage_specs(s)[-1]
@@ -106,12 +112,15 @@ def test_the_committed_plan_runs_the_lr_stress_test_at_4x_and_16x_against_the_la
         assert (config.divergence.spike_nats, config.divergence.window) == (1.0, 20)
         assert config.optimizer.peak_lr == pytest.approx(times * 1.5e-3) and config.steps == 1000
     assert lr_stress.references(p) == ["ladder"]
-    stress = [s for s in p.stages if s.lr_reference]
+    stress = [s for s in p.stages if lr_stress.reference_of(s)]
     earlier = {
-        plan.run_identity(spec, s, []) for s in p.stages if not s.lr_reference for spec in plan.stage_specs(s)
+        reuse.run_identity(spec, s, [])
+        for s in p.stages
+        if not lr_stress.reference_of(s)
+        for spec in plan.stage_specs(s)
     }
     assert not earlier & {
-        plan.run_identity(spec, s, []) for s in stress for spec in plan.stage_specs(s)
+        reuse.run_identity(spec, s, []) for s in stress for spec in plan.stage_specs(s)
     }  # all run
 
 
@@ -182,13 +191,15 @@ def test_the_claims_table_leaves_out_a_check_stage_on_another_back_end(tmp_path,
     monkeypatch.chdir(ROOT)
     check = stage_toml("check", {"b": "mxfp4_full"}, seeds=(1,), steps=STEPS, backend="emulate")
     path = tmp_path / "plan.toml"
-    path.write_text('name = "c"\n' + _stage("ref", 1e-3) + check.replace('baseline = "a"', 'baseline = "b"'))
-    the_plan = plan.load_plan(str(path))
+    path.write_text(
+        'name = "c"\n' + CLAIMS_FROM + _stage("ref", 1e-3) + check.replace('baseline = "a"', 'baseline = "b"')
+    )
+    the_plan = designs.load_plan(str(path))
     root = str(tmp_path / "runs")
     for arm, seed in (("a", 0), ("a", 1), ("b", 0)):
         write_run(os.path.join(root, "ref", arm, f"seed{seed}"), 0.0)
     write_run(os.path.join(root, "check", "b", "seed1"), 0.0)
-    result = study_cli.write_claims(the_plan, root, None)
+    result = report.write_claims(the_plan, root, None)
     assert "b/seed1" not in result["cells"] and result["cells_pending"] == ["b/seed1"]
 
 
@@ -258,7 +269,7 @@ def _edit(tmp_path, old: str, new: str) -> str:
 )
 def test_bad_spike_and_reference_keys_are_one_line_errors(tmp_path, old, new, message):
     with pytest.raises(ValueError, match=re.escape(message)) as info:
-        plan.load_plan(_edit(tmp_path, old, new))
+        designs.load_plan(_edit(tmp_path, old, new))
     assert "\n" not in str(info.value) and re.search("stage 'x(4|16)'", str(info.value))
 
 
@@ -270,4 +281,4 @@ def test_a_branch_stage_counts_no_spikes(tmp_path):
     path = tmp_path / "branch.toml"
     path.write_text('name = "b"\n' + branch)
     with pytest.raises(ValueError, match=re.escape("unknown keys ['count_spikes']")):
-        plan.load_plan(str(path))
+        designs.load_plan(str(path))

@@ -12,7 +12,8 @@ import sys
 import pytest
 from study_plans import stage_toml
 
-from fp4jax.study import plan, runner, runs
+from fp4jax.study import designs, plan, progress, report, reuse, runner, runs, schedule
+from fp4jax.study.gate import gate_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
@@ -62,7 +63,7 @@ def tiny_plan(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     path = tmp_path / "tiny.toml"
     path.write_text(TINY_PLAN)
-    return plan.load_plan(str(path))
+    return designs.load_plan(str(path))
 
 
 def _fake(monkeypatch, script):
@@ -80,7 +81,7 @@ def keep_real_argv(monkeypatch):
 
 
 def test_the_committed_plan_loads_with_the_gate_first():
-    p = plan.load_plan(PLAN)
+    p = designs.load_plan(PLAN)
     gate = p.stages[0]
     assert gate.name == "calibration" and gate.arms == {"fp8": "fp8_mlperf", "full": "mxfp4_full"}
     assert (gate.seeds, gate.steps, gate.warmup_steps, gate.backend) == ((0, 1, 2), 1000, 100, "auto")
@@ -92,12 +93,12 @@ def test_the_committed_plan_loads_with_the_gate_first():
 def test_a_second_call_runs_nothing_and_the_gate_reads_the_runs(tiny_plan, tmp_path, monkeypatch):
     _fake(monkeypatch, FINISHER)
     root = str(tmp_path / "runs")
-    done = plan.run_plan(tiny_plan, root, budget_minutes=5, log=lambda line: None)
+    done = schedule.run_plan(tiny_plan, root, budget_minutes=5, log=lambda line: None)
     assert sorted(done) == ["a/seed0", "a/seed1", "b/seed0", "b/seed1"]
     lines = []
-    assert plan.run_plan(tiny_plan, root, budget_minutes=5, log=lines.append) == {}
+    assert schedule.run_plan(tiny_plan, root, budget_minutes=5, log=lines.append) == {}
     assert sum("not rerun" in line for line in lines) == 4 and not any("start" in line for line in lines)
-    gate = plan.gate_result(root, tiny_plan.stage("gate"))
+    gate = gate_result(root, tiny_plan.stage("gate"))
     assert gate["complete"] and gate["mean_difference"] == pytest.approx(0.01) and gate["paired_sd"] < 1e-12
     assert gate["slope"] == pytest.approx(0.1) and gate["passed"]
     assert gate["paired_sd_max"] == pytest.approx(0.1 * math.log(1.05) * math.sqrt(2) / 2)
@@ -114,7 +115,7 @@ def test_the_gates_interval_is_the_t_interval_of_the_paired_differences(tiny_pla
         extra = offsets[(spec.rung.name, spec.seed)]
         evals = [[s, s, 1000 * s, 5 - math.log(1000 * s) / 10 + extra] for s in (1, 2, 3, 4)]
         runs.write_json(runs.summary_path(directory), {"status": "not_reached", "steps": 4, "evals": evals})
-    gate = plan.gate_result(str(tmp_path), stage)
+    gate = gate_result(str(tmp_path), stage)
     sd = 0.02 / math.sqrt(2)
     half = math.tan(0.475 * math.pi) * sd / math.sqrt(2)
     assert gate["mean_difference"] == pytest.approx(0.02) and gate["paired_sd"] == pytest.approx(sd)
@@ -126,18 +127,18 @@ def test_the_gates_interval_is_the_t_interval_of_the_paired_differences(tiny_pla
 def test_the_budget_stops_a_run_with_a_checkpoint_and_the_next_call_resumes_it(
     tiny_plan, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(plan, "STOP_MARGIN_S", 0)
-    monkeypatch.setattr(plan, "MIN_START_MINUTES", 0.0)
+    monkeypatch.setattr(schedule, "STOP_MARGIN_S", 0)
+    monkeypatch.setattr(schedule, "MIN_START_MINUTES", 0.0)
     _fake(monkeypatch, WAITER)
     root = str(tmp_path / "runs")
     lines = []
-    done = plan.run_plan(tiny_plan, root, budget_minutes=0.05, log=lines.append)  # 3 s
+    done = schedule.run_plan(tiny_plan, root, budget_minutes=0.05, log=lines.append)  # 3 s
     assert [s["status"] for s in done.values()] == ["preempted"], lines
     first = os.path.join(root, "gate", "a", "seed0")
-    assert plan.steps_done(first) == 2 and not runs.is_finished(first)
+    assert reuse.steps_done(first) == 2 and not runs.is_finished(first)
     assert any("left for the next call" in line for line in lines), lines
     _fake(monkeypatch, FINISHER)
-    done = plan.run_plan(tiny_plan, root, budget_minutes=5, log=lambda line: None)
+    done = schedule.run_plan(tiny_plan, root, budget_minutes=5, log=lambda line: None)
     assert "a/seed0" in done and runs.is_finished(first)
     record = json.loads(open(os.path.join(first, "ladder_run.json")).read())
     assert record["attempts"] == 2 and [h["status"] for h in record["history"]] == [
@@ -168,23 +169,23 @@ def test_measured_wall_times_are_used_only_under_the_same_gpu_sharing(tiny_plan,
     _finished_run(root, "gate", "a", 1, [(3, 300.0)])  # three to a GPU
     _finished_run(root, "gate", "b", 0, [(None, 120.0)])  # recorded before the setting was
     gate = tiny_plan.stage("gate")
-    assert plan.measured_minutes(root, gate, 1) == {"a": pytest.approx(1.5)}
-    assert plan.measured_minutes(root, gate, 3) == {"a": pytest.approx(5.0)}
-    assert plan.measured_minutes(root, gate, 2) == {}
+    assert progress.measured_minutes(root, gate, 1) == {"a": pytest.approx(1.5)}
+    assert progress.measured_minutes(root, gate, 3) == {"a": pytest.approx(5.0)}
+    assert progress.measured_minutes(root, gate, 2) == {}
     # An arm without a comparable measurement is expected at the plan's run_minutes.
     spec_b = next(s for s in plan.stage_specs(gate) if s.rung.name == "b")
     fresh = str(tmp_path / "fresh")
-    measured = plan.measured_minutes(root, gate, 1)
-    assert plan.expected_minutes(spec_b, fresh, gate, measured) == gate.run_minutes
+    measured = progress.measured_minutes(root, gate, 1)
+    assert progress.expected_minutes(spec_b, fresh, gate, measured) == gate.run_minutes
 
 
 def test_runs_share_one_compilation_cache_under_the_root_unless_the_caller_names_one(tiny_plan, monkeypatch):
     gate = tiny_plan.stage("gate")
-    monkeypatch.delenv(plan.COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.delenv(schedule.COMPILE_CACHE_ENV, raising=False)
     expected = os.path.join(ROOT, "runs", "x", ".jax_cache")
-    assert plan._env(gate, "runs/x", print)[plan.COMPILE_CACHE_ENV] == expected
-    monkeypatch.setenv(plan.COMPILE_CACHE_ENV, "/elsewhere")
-    assert plan._env(gate, "runs/x", print)[plan.COMPILE_CACHE_ENV] == "/elsewhere"
+    assert schedule.run_env(gate, "runs/x", print)[schedule.COMPILE_CACHE_ENV] == expected
+    monkeypatch.setenv(schedule.COMPILE_CACHE_ENV, "/elsewhere")
+    assert schedule.run_env(gate, "runs/x", print)[schedule.COMPILE_CACHE_ENV] == "/elsewhere"
 
 
 @pytest.mark.parametrize(
@@ -204,7 +205,7 @@ def test_an_attempt_records_how_many_runs_shared_its_gpu(
     _fake(monkeypatch, FINISHER)
     monkeypatch.setattr(runner, "accelerator_kind", lambda: kind)
     root = str(tmp_path / "runs")
-    plan.run_plan(tiny_plan, root, budget_minutes=5, parallel=2, gpus=gpus, log=lambda line: None)
+    schedule.run_plan(tiny_plan, root, budget_minutes=5, parallel=2, gpus=gpus, log=lambda line: None)
     record = runs.read_json(os.path.join(root, "gate", "a", "seed0", "ladder_run.json"))
     assert [h["runs_per_gpu"] for h in record["history"]] == [sharing]
 
@@ -222,18 +223,18 @@ def test_bad_plans_are_one_line_errors(tmp_path, edit, message):
     path = tmp_path / "bad.toml"
     path.write_text(TINY_PLAN.replace(*edit))
     with pytest.raises(ValueError, match=re.escape(message)) as info:
-        plan.load_plan(str(path))
+        designs.load_plan(str(path))
     assert "\n" not in str(info.value)
 
 
 def test_arm_runs_only_the_named_arms_and_an_unknown_arm_is_one_line(tiny_plan, tmp_path, monkeypatch):
     _fake(monkeypatch, FINISHER)
     root = str(tmp_path / "runs")
-    done = plan.run_plan(tiny_plan, root, budget_minutes=5, arms=["b"], log=lambda line: None)
+    done = schedule.run_plan(tiny_plan, root, budget_minutes=5, arms=["b"], log=lambda line: None)
     assert sorted(done) == ["b/seed0", "b/seed1"]
-    assert not plan.gate_result(root, tiny_plan.stage("gate"))["complete"]  # arm a is still to run
+    assert not gate_result(root, tiny_plan.stage("gate"))["complete"]  # arm a is still to run
     with pytest.raises(ValueError, match=r"--arm c: not an arm of these stages; use a, b"):
-        plan.run_plan(tiny_plan, root, budget_minutes=5, arms=["c"], log=lambda line: None)
+        schedule.run_plan(tiny_plan, root, budget_minutes=5, arms=["c"], log=lambda line: None)
 
 
 # ------------------------------------------------------------------------------------- shared runs
@@ -258,11 +259,11 @@ def test_an_identical_run_of_an_earlier_stage_is_reused_not_rerun(tmp_path, monk
     monkeypatch.chdir(ROOT)
     path = tmp_path / "shared.toml"
     path.write_text(TINY_PLAN + SHARED_STAGES)
-    p = plan.load_plan(str(path))
+    p = designs.load_plan(str(path))
     _fake(monkeypatch, FINISHER_WITH_FILES)
     root = str(tmp_path / "runs")
     lines = []
-    plan.run_plan(p, root, budget_minutes=5, log=lines.append)
+    schedule.run_plan(p, root, budget_minutes=5, log=lines.append)
     started = sorted(line.split("start ")[1] for line in lines if " start " in f" {line}")
     assert started == sorted(
         ["gate/a/seed0", "gate/b/seed0", "gate/a/seed1", "gate/b/seed1"]
@@ -280,11 +281,11 @@ def test_an_identical_run_of_an_earlier_stage_is_reused_not_rerun(tmp_path, monk
         assert not os.path.exists(os.path.join(copy, "checkpoints"))
         record = runs.read_json(os.path.join(copy, "ladder_run.json"))
         assert record["reused_from"] == f"gate/a/seed{seed}" and record["attempts"] == 0
-    assert plan.stage_complete(root, p.stage("again"))
-    assert "a" not in plan.measured_minutes(root, p.stage("again"))  # no wall time of its own
+    assert progress.stage_complete(root, p.stage("again"))
+    assert "a" not in progress.measured_minutes(root, p.stage("again"))  # no wall time of its own
     # Resumed, nothing starts and nothing is copied again.
     lines = []
-    assert plan.run_plan(p, root, budget_minutes=5, log=lines.append) == {}
+    assert schedule.run_plan(p, root, budget_minutes=5, log=lines.append) == {}
     assert not any(" start " in f" {line}" or "the same run as" in line for line in lines), lines
 
 
@@ -292,19 +293,19 @@ def test_run_identity_is_the_command_without_workdir_under_one_back_end(tiny_pla
     gate = tiny_plan.stage("gate")
     spec = plan.stage_specs(gate)[0]
     sets = ["--config.data.path=d"]
-    identity = plan.run_identity(spec, gate, sets)
+    identity = reuse.run_identity(spec, gate, sets)
     assert "--workdir" not in identity and "--config.data.path=d" in identity
     assert identity[0] == f"{plan.BACKEND_ENV}=auto"
     elsewhere = dataclasses.replace(gate, name="elsewhere")  # another stage's directory, the same run
-    assert plan.run_identity(spec, elsewhere, sets) == identity
-    assert plan.run_identity(spec, dataclasses.replace(gate, backend="emulate"), sets) != identity
-    assert plan.run_identity(spec, gate, ["--config.data.path=e"]) != identity
+    assert reuse.run_identity(spec, elsewhere, sets) == identity
+    assert reuse.run_identity(spec, dataclasses.replace(gate, backend="emulate"), sets) != identity
+    assert reuse.run_identity(spec, gate, ["--config.data.path=e"]) != identity
 
 
 def test_the_committed_plan_shares_runs_between_its_stages():
     """The ladder's fp8 and full arms and the literature stage's fp8 arm are the calibration stage's runs;
     the literature stage pairs tseng and nvidia with them on the same seeds, horizon, LR and back end."""
-    p = plan.load_plan(PLAN)
+    p = designs.load_plan(PLAN)
     calibration, ladder, literature = (p.stage(n) for n in ("calibration", "ladder", "literature"))
     assert literature.arms == {"fp8": "fp8_mlperf", "tseng": "mxfp4_tseng", "nvidia": "mxfp4_nvidia"}
     assert literature.requires == ("calibration",) and literature.baseline == "fp8"
@@ -313,7 +314,9 @@ def test_the_committed_plan_shares_runs_between_its_stages():
     identities = {}
     for stage in (calibration, ladder, literature):
         for spec in plan.stage_specs(stage):
-            identities.setdefault(plan.run_identity(spec, stage, []), []).append(f"{stage.name}/{spec.label}")
+            identities.setdefault(reuse.run_identity(spec, stage, []), []).append(
+                f"{stage.name}/{spec.label}"
+            )
     shared = sorted(labels for labels in identities.values() if len(labels) > 1)
     want = [
         [f"calibration/{arm}/seed{k}", f"ladder/{arm}/seed{k}"]
@@ -329,3 +332,73 @@ def test_the_plans_back_ends_and_their_variable_are_the_trainers():
     from fp4jax.training.setup import GEMM_BACKEND_ENV
 
     assert sorted(plan.BACKENDS) == sorted(BACKENDS) and plan.BACKEND_ENV == GEMM_BACKEND_ENV
+
+
+@pytest.mark.parametrize(
+    "runs_per_gpu,given,expected", [(1, None, None), (2, None, "0.45"), (3, None, "0.3"), (2, "0.2", "0.2")]
+)
+def test_runs_sharing_a_gpu_each_get_their_share_of_its_memory_unless_the_caller_set_one(
+    runs_per_gpu, given, expected
+):
+    """`--parallel 2 --gpus 0,0`: each child preallocates 0.9 / 2 of the GPU (jax's default 0.75 twice
+    does not fit); a value in the caller's environment is kept; a run alone and a CPU run get none."""
+    env = {} if given is None else {runner.MEM_FRACTION_ENV: given}
+    child = runner.child_env(["0"], "cuda", env, runs_per_gpu)
+    assert child.get(runner.MEM_FRACTION_ENV) == expected and child["CUDA_VISIBLE_DEVICES"] == "0"
+    assert runner.MEM_FRACTION_ENV not in runner.child_env([], None, {}, 2)
+
+
+class ToyDesign:
+    """A design added by one table entry: one run per seed of the baseline arm only, reported as a line."""
+
+    name, keys, optional_keys, implied = "toy", frozenset({"note"}), frozenset(), frozenset()
+
+    def options(self, raw, where, earlier):
+        return {"note": raw["note"]}, {}
+
+    def specs(self, stage, common):
+        rung = runner.Rung(
+            stage.baseline, stage.config, (*common, f"--config.recipe={stage.arms[stage.baseline]}")
+        )
+        return runner.plan([rung], list(stage.seeds), None)
+
+    def phases(self, stage, specs, sroot, arms, log):
+        return [specs]
+
+    def span(self, spec, stage):
+        return 0, stage.steps
+
+    def default_minutes(self, stage, first, last):
+        return stage.run_minutes
+
+    def report(self, stage, the_plan, root, out, target, emit):
+        done = [
+            s.label
+            for s in plan.stage_specs(stage)
+            if runs.is_finished(s.directory(plan.stage_root(root, stage)))
+        ]
+        report.write(
+            os.path.join(out, stage.name), f"toy {stage.options['note']}: {done}\n", {"done": done}, emit=emit
+        )
+        return {}
+
+
+def test_a_design_added_by_one_table_entry_is_scheduled_and_reported(tmp_path, monkeypatch):
+    from fp4jax.study.__main__ import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setitem(designs.DESIGNS, "toy", ToyDesign())
+    _fake(monkeypatch, FINISHER)
+    path = tmp_path / "toy.toml"
+    path.write_text(
+        '\nname = "toy"'
+        + _stage("t", {"a": "fp8", "b": "mxfp4_full"}).replace(
+            'design = "scratch_paired"', 'design = "toy"\nnote = "hello"'
+        )
+    )
+    root, out = str(tmp_path / "runs"), tmp_path / "out"
+    done = schedule.run_plan(designs.load_plan(str(path)), root, budget_minutes=5, log=lambda line: None)
+    assert sorted(done) == ["a/seed0", "a/seed1"]
+    assert main(["report", "--plan", str(path), "--root", root, "--out", str(out)]) == 0
+    assert (out / "t.md").read_text() == "toy hello: ['a/seed0', 'a/seed1']\n"
+    assert "| t | toy | 2 | 2 | 0 | 0 |" in (out / "progress.md").read_text()

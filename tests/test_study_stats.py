@@ -16,6 +16,7 @@ import pytest
 import scipy.stats
 
 from fp4jax.study import analysis, stats
+from fp4jax.study.runs import Eval
 
 ARMS = ("fp8", "fprop", "fprop_dgrad", "full")
 EFFECTS = np.array([0.0, 0.05, 0.07, 0.30])  # planted arm effects
@@ -285,18 +286,18 @@ def test_overhead_recovers_a_planted_overhead_and_its_interval_covers():
 
 
 def evals_of(losses, every=100, tokens_per_step=1000):
-    return [(every * (i + 1), every * (i + 1) * tokens_per_step, v) for i, v in enumerate(losses)]
+    return [Eval(every * (i + 1), every * (i + 1) * tokens_per_step, v) for i, v in enumerate(losses)]
 
 
-def test_final_eval_losses_average_the_last_k_at_shared_tokens():
+def test_the_primary_metric_averages_the_last_k_at_shared_tokens():
     runs = {"a": evals_of([4.0, 3.5, 3.2, 3.0]), "b": evals_of([4.1, 3.6, 3.4, 3.3])}
-    means, tokens = stats.final_eval_losses(runs, 2)
+    means, tokens = stats.primary_metrics(runs, 2)
     assert means == pytest.approx({"a": 3.1, "b": 3.35}) and tokens == (300_000, 400_000)
     runs["c"] = evals_of([4.0, 3.5, 3.2], every=130)
     with pytest.raises(ValueError, match="different tokens"):
-        stats.final_eval_losses(runs, 2)
+        stats.primary_metrics(runs, 2)
     with pytest.raises(ValueError, match="last 5 evals"):
-        stats.final_eval_loss(runs["a"], 5)
+        stats.primary_metric(runs["a"], 5)
 
 
 def test_tokens_to_target_interpolates_as_the_ladder_does():

@@ -31,6 +31,7 @@ import os
 import statistics
 
 from fp4jax.study import runs
+from fp4jax.study.stats import crossing
 
 __all__ = [
     "GEMMS",
@@ -70,7 +71,7 @@ class StudyRun:
     seed: int
     # a run summary's status (training/summary.py), "failed", or "unfinished" (no summary yet, or preempted)
     status: str
-    evals: tuple[tuple[int, int, float], ...]  # (step, tokens, eval loss)
+    evals: tuple[runs.Eval, ...]
     target_eval_loss: float | None
     tokens: int | None  # trained
     diverged_step: int | None
@@ -90,13 +91,12 @@ def load_run(rung: str, lr: float | None, seed: int | None, run_dir: str) -> Stu
     records = runs.read_records(run_dir)
     s = summary or {}
     status = runs.status_of(summary)
-    evals = runs.evals_from(summary, records)
     return StudyRun(
         rung=rung,
         lr=lr,
         seed=seed if seed is not None else s.get("seed") or 0,
         status=status if status in runs.FINAL_STATUSES else "unfinished",
-        evals=tuple((e[0], e[2], e[3]) for e in evals),
+        evals=tuple(runs.evals_from(summary, records)),
         target_eval_loss=s.get("target_eval_loss"),
         tokens=s.get("tokens", records[-1]["tokens"] if records else None),
         diverged_step=s.get("diverged_step"),
@@ -175,20 +175,6 @@ def load_runs(root: str) -> list[StudyRun]:
 # ------------------------------------------------------------------------------------------- one run
 
 
-def crossing(evals, target: float) -> dict | None:
-    """Interpolated tokens to target of one run's (step, tokens, loss) evaluations, with its bracket; None
-    when no evaluation is at or below the target."""
-    for i, (_, t1, l1) in enumerate(evals):
-        if l1 > target:
-            continue
-        if i == 0:
-            return {"tokens": float(t1), "interval": t1, "bracket": None, "first_eval": True}
-        _, t0, l0 = evals[i - 1]
-        tokens = t0 + (l0 - target) / (l0 - l1) * (t1 - t0)
-        return {"tokens": tokens, "interval": t1 - t0, "bracket": [[t0, l0], [t1, l1]], "first_eval": False}
-    return None
-
-
 def outcome(run: StudyRun, target: float) -> str:
     """reached / not_reached / diverged / failed / unfinished against the report's target (which may differ
     from the one the run stopped at); a run that crossed the target before it diverged has reached it."""
@@ -216,7 +202,7 @@ def run_row(run: StudyRun, target: float) -> dict:
         "failure": run.failure,
         "tokens_per_s": run.tokens_per_s,
         "runs_per_gpu": run.runs_per_gpu,
-        "final_eval_loss": run.evals[-1][2] if run.evals else None,
+        "final_eval_loss": run.evals[-1].loss if run.evals else None,
         "evals": [list(e) for e in run.evals],
         "directory": run.directory,
         "diagnostics": run.diagnostics,
@@ -330,7 +316,7 @@ def resolve_target(all_runs: list[StudyRun], baseline: str, spec: str) -> tuple[
         margin = float(spec[5:] or 0) if spec[4:5] in ("", "+") else None
         if margin is None:
             raise ValueError(f"--target {spec}: use auto or auto+MARGIN, e.g. auto+0.02")
-        bests = [min(e[2] for e in r.evals) for r in all_runs if r.rung == baseline and r.evals]
+        bests = [min(e.loss for e in r.evals) for r in all_runs if r.rung == baseline and r.evals]
         if not bests:
             raise ValueError(f"baseline {baseline!r} has no evaluation: --target auto needs one")
         rule = f"auto: the worst of the baseline's {len(bests)} run(s)' best eval loss + {margin:g} nats"

@@ -25,39 +25,38 @@ the trunk logged up to the branch step, bit for bit (regenerated/identity.json).
 (xla_gpu_deterministic_ops, the same process set-up) repeat; a trunk that did not leaves its branches
 waiting, with the first step that differs in the log.
 
-Analysis (`analyze`): per branch step s and eval tokens T shared by the branches from s, each arm's eval
-loss minus the baseline arm's branch from the same trunk (seed) and step, per seed and as the paired
-model's contrast (stats.fit_additive over arms x trunks, residual variance pooled over arms) and, beside
-it, the per-trunk differences' paired t interval (stats.paired_t, 2 trunks or more).
+Report (`Branch.report`): <stage>.md/.json/.png, the differences against tokens (branch_analysis), and
+for a stage whose arms make any of the plan's contrasts, <stage>_claims_at<step>.md/.json/.png: the
+claims per branch point, trunks as blocks (docs/study_plan.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
-import statistics
 
-from fp4jax.study import analysis, runner, runs, stats
+from fp4jax.study import branch_analysis, claims, plots, report, runner, runs
+from fp4jax.study.plan import Stage, stage_root
+from fp4jax.study.schedule import arm_of
 from fp4jax.training import integrity
 
 __all__ = [
+    "DESIGN",
     "KEYS",
+    "OPTIONAL_KEYS",
     "REGENERATED",
     "TRUNK",
+    "Branch",
+    "BranchOptions",
     "BranchRun",
     "TrunkRegeneration",
-    "analyze",
-    "arm_of",
-    "branch_runs",
-    "default_minutes",
     "normalize",
     "phases",
     "span",
     "stage_specs",
-    "to_markdown",
-    "trunk_tokens",
+    "start_point",
+    "steps_of",
 ]
 
 KEYS = {"trunk_arm", "branch_steps", "branch_length"}
@@ -147,23 +146,24 @@ def _check_arm_branch_steps(table, arms: dict, steps: list[int], baseline: str, 
 
 def steps_of(stage, arm: str) -> tuple[int, ...]:
     """The trunk steps `arm` branches at: its arm_branch_steps entry, else every branch step."""
-    return tuple(stage.arm_branch_steps.get(arm, stage.branch_steps))
+    return tuple(stage.options.arm_branch_steps.get(arm, stage.options.branch_steps))
 
 
 def stage_specs(stage, common: list[str]) -> list[runner.RunSpec]:
     """The trunks, then per seed, per arm, its branches (early first): an arm's branches follow each other,
     so a call compiles its step once for both (the compiled program does not depend on the branch step)."""
-    keep = ",".join(str(s) for s in stage.branch_steps)
+    opts = stage.options
+    keep = ",".join(str(s) for s in opts.branch_steps)
     trunk = runner.Rung(
         TRUNK,
         stage.config,
-        (*common, _set("recipe", stage.arms[stage.trunk_arm]), _set("keep_checkpoint_steps", f"({keep},)")),
+        (*common, _set("recipe", stage.arms[opts.trunk_arm]), _set("keep_checkpoint_steps", f"({keep},)")),
     )
     specs: list[runner.RunSpec] = runner.plan([trunk], list(stage.seeds), None)
     for seed in stage.seeds:
         for arm, recipe in stage.arms.items():
             for at in steps_of(stage, arm):
-                overrides = (*common, _set("recipe", recipe), _set("steps", at + stage.branch_length))
+                overrides = (*common, _set("recipe", recipe), _set("steps", at + opts.branch_length))
                 specs.append(BranchRun(runner.Rung(f"{arm}/at{at}", stage.config, overrides), seed, at=at))
     return specs
 
@@ -176,23 +176,15 @@ def span(spec: runner.RunSpec, stage) -> tuple[int, int]:
     """(first, last) step of a run: a branch's trunk step and that + branch_length; else 0 and the stage's
     steps."""
     if isinstance(spec, BranchRun):
-        return spec.at, spec.at + stage.branch_length
+        return spec.at, spec.at + stage.options.branch_length
     if isinstance(spec, TrunkRegeneration):
         return 0, spec.upto
     return 0, stage.steps
 
 
 def default_minutes(stage, first: int, last: int) -> float:
-    """A run's expected wall time before any was measured: run_minutes per run of the stage (scratch), per
-    branch_length updates (branch)."""
-    per = stage.branch_length if stage.design == "branch" else stage.steps
-    return stage.run_minutes * (last - first) / per
-
-
-def arm_of(spec: runner.RunSpec) -> str:
-    """The arm whose compiled step a run uses: a scratch run's rung, a branch's "<arm>/at<step>" arm, the
-    trunks' "trunk"; an arm's seeds and its branches from any step share one program."""
-    return spec.rung.name.split("/")[0]
+    """A run's expected wall time before any was measured: run_minutes per branch_length updates."""
+    return stage.run_minutes * (last - first) / stage.options.branch_length
 
 
 def _has_checkpoint(run_dir: str, step: int) -> bool:
@@ -294,137 +286,89 @@ def _check_copies(trunks, pending: list[BranchRun], sroot: str, log) -> None:
             _check_regenerated(trunk_dir(sroot, trunk.seed), at, log)
 
 
-# ------------------------------------------------------------------------------------------ analysis
+# ------------------------------------------------------------------------------------------ the design
 
 
-def _evals(directory: str) -> dict[int, tuple[int, float]] | None:
-    """{tokens: (step, eval loss)} of a finished, not diverged branch; None otherwise."""
-    summary = runs.read_json(runs.summary_path(directory))
-    if runs.status_of(summary) not in ("reached", "not_reached"):
-        return None
-    return {int(e[2]): (int(e[0]), float(e[3])) for e in runs.evals_from(summary, []) if math.isfinite(e[3])}
+@dataclasses.dataclass(frozen=True)
+class BranchOptions:
+    trunk_arm: str
+    branch_steps: tuple[int, ...]
+    branch_length: int
+    arm_branch_steps: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
-def branch_runs(sroot: str, stage, at: int) -> list[analysis.StudyRun]:
-    """The branches from trunk step `at` that have a directory, as the from-scratch analysis reads runs
-    (rung = arm, seed = trunk): the pre-registered claims (claims.analyze) apply to them per branch step,
-    the trunk standing for the seed (docs/study_plan.md, amendment "the claims on the branching ladder")."""
-    return [
-        analysis.load_run(arm_of(spec), None, spec.seed, spec.directory(sroot))
-        for spec in _branches_from(stage, at)
-        if os.path.isdir(spec.directory(sroot))
-    ]
+class Branch:
+    """The design's hooks (plan.Design)."""
 
+    name = "branch"
+    keys = frozenset(KEYS)
+    optional_keys = frozenset(OPTIONAL_KEYS)
+    implied = frozenset({"steps"})  # the trunk's: the last branch step
 
-def trunk_tokens(branches: list[analysis.StudyRun], at: int) -> int:
-    """The tokens a trunk had trained at step `at`: at x the tokens per update that the branches'
-    evaluations record (every (step, tokens) pair must give the same whole number)."""
-    per_update = {tokens / step for run in branches for step, tokens, _ in run.evals if step > 0}
-    if len(per_update) != 1 or not float(next(iter(per_update))).is_integer():
-        raise ValueError(
-            f"the branches from step {at} record {sorted(per_update)} tokens per update, not one whole "
-            "number: their batch size differs or changed, so the trunk's tokens are not at x one count"
+    def options(self, raw: dict, where: str, earlier: list[Stage]) -> tuple[BranchOptions, dict]:
+        raw = normalize(raw, where)
+        options = BranchOptions(
+            trunk_arm=raw["trunk_arm"],
+            branch_steps=tuple(raw["branch_steps"]),
+            branch_length=int(raw["branch_length"]),
+            arm_branch_steps={arm: tuple(at) for arm, at in raw.get("arm_branch_steps", {}).items()},
         )
-    return int(at * per_update.pop())
+        return options, {"steps": raw["steps"]}
+
+    def specs(self, stage: Stage, common: list[str]) -> list[runner.RunSpec]:
+        return stage_specs(stage, common)
+
+    def phases(self, stage: Stage, specs, sroot: str, arms, log):
+        return phases(specs, sroot, arms, log)
+
+    def span(self, spec: runner.RunSpec, stage: Stage) -> tuple[int, int]:
+        return span(spec, stage)
+
+    def default_minutes(self, stage: Stage, first: int, last: int) -> float:
+        return default_minutes(stage, first, last)
+
+    def report(self, stage: Stage, plan, root: str, out: str | None, target: str, emit) -> dict:
+        """<stage>.md/.json/.png (branch_analysis) and, when its arms make any of the plan's contrasts,
+        the claims per branch step: {"branched at <step>": analysis} for the steps whose contrasts are
+        estimable."""
+        sroot = stage_root(root, stage)
+        result = branch_analysis.analyze(sroot, stage)
+
+        def draw(base: str) -> list[str]:
+            plots.plot_branches(result, base + ".png")
+            return [base + ".png"]
+
+        report.write(_base(out, stage.name), branch_analysis.to_markdown(result), result, draw, emit)
+        if plan.claims is None:
+            return {}
+        hypotheses = claims.Hypotheses.from_plan(plan)
+        if not any(set(w) <= set(stage.arms) for w in hypotheses.contrasts.values()):
+            return {}
+        estimable = {}
+        for at in stage.options.branch_steps:
+            found = branch_analysis.branch_runs(sroot, stage, at)
+            cells, _, _ = claims.primary_cells(found, claims.DEFAULT_LAST_K)
+            if not any(arm == stage.baseline for arm, _ in cells):
+                continue  # no baseline branch from this step has ended yet
+            claimed = claims.analyze(
+                found,
+                stage.baseline,
+                list(stage.arms),
+                claims.DEFAULT_LAST_K,
+                hypotheses,
+                stage.seeds,
+                trunk_tokens=branch_analysis.trunk_tokens(found, at),
+            )
+            text = f"Branched at step {at} (rows: arms; blocks: trunks).\n\n" + claims.to_markdown(claimed)
+            figure = report.claims_figure(claimed, hypotheses)
+            report.write(_base(out, f"{stage.name}_claims_at{at}"), text, claimed, figure, emit)
+            if claimed["df"] > 0:
+                estimable[f"branched at {at}"] = claimed
+        return estimable
 
 
-def _branches_from(stage, at: int) -> list[BranchRun]:
-    """The stage's branches from trunk step `at`, in stage_specs' order."""
-    return [s for s in stage_specs(stage, []) if isinstance(s, BranchRun) and s.at == at]
+def _base(out: str | None, name: str) -> str | None:
+    return None if out is None else os.path.join(out, name)
 
 
-def analyze(sroot: str, stage) -> dict:
-    """Per branch step, per eval tokens every branch from that step reached: per arm its eval loss minus
-    the baseline's branch from the same trunk and step (per seed, their mean), and the paired model's
-    contrast arm - baseline (estimate, SE, 95 % t interval, df; None where the table has no residual df).
-    Runs without a final, not diverged summary are listed under "missing" and left out."""
-    points = []
-    for at in stage.branch_steps:
-        curves, missing = {}, []
-        for spec in _branches_from(stage, at):
-            evals = _evals(spec.directory(sroot))
-            if evals is None:
-                missing.append(spec.label)
-            else:
-                curves[(arm_of(spec), spec.seed)] = evals
-        points.append({"at": at, "missing": missing, "evals": _point_evals(curves, stage)})
-    return {
-        "stage": stage.name,
-        "design": "branch",
-        "baseline": stage.baseline,
-        "trunk_arm": stage.trunk_arm,
-        "branch_length": stage.branch_length,
-        "points": points,
-    }
-
-
-def _point_evals(curves: dict, stage) -> list[dict]:
-    """One entry per eval tokens count shared by every branch present at a branch step."""
-    if not curves:
-        return []
-    shared = sorted(set.intersection(*(set(c) for c in curves.values())))
-    arms = [a for a in stage.arms if any(arm == a for arm, _ in curves)]
-    rows = []
-    for tokens in shared:
-        loss = {key: c[tokens][1] for key, c in curves.items()}
-        step = next(iter(curves.values()))[tokens][0]
-        rows.append({"tokens": tokens, "step": step, "arms": _differences(loss, arms, stage)})
-    return rows
-
-
-def _differences(loss: dict, arms: list[str], stage) -> dict:
-    base = stage.baseline
-    table = {(arm, f"seed{seed}"): value for (arm, seed), value in loss.items()}
-    fit = stats.fit_additive(*stats.cells_to_table(table, arms=arms)) if base in arms else None
-    out = {}
-    for arm in arms:
-        per_seed = {s: loss[(arm, s)] for (a, s) in loss if a == arm}
-        diffs = {s: v - loss[(base, s)] for s, v in per_seed.items() if (base, s) in loss}
-        row = {
-            "loss": {str(s): v for s, v in per_seed.items()},
-            "difference": {str(s): d for s, d in diffs.items()},
-            "mean_difference": statistics.fmean(diffs.values()) if diffs else None,
-            "contrast": None,
-            # the per-trunk differences' one-sample t, beside the pooled contrast (2 trunks or more)
-            "paired": stats.paired_t(list(diffs.values())) if arm != base and len(diffs) >= 2 else None,
-        }
-        if fit is not None and arm != base and diffs:
-            try:
-                row["contrast"] = stats.contrast(fit, {arm: 1.0, base: -1.0}, f"{arm} - {base}")
-            except ValueError:  # no residual df (one trunk), or not estimable: the differences stand alone
-                pass
-        out[arm] = row
-    return out
-
-
-def _interval_cell(row: dict | None) -> str:
-    if row is None:
-        return "-"
-    return f"{row['estimate']:+.4f} ± {row['se']:.4f} [{row['ci_low']:+.4f}, {row['ci_high']:+.4f}]"
-
-
-def to_markdown(result: dict) -> str:
-    """Per branch step, the last shared evaluation: each arm's loss difference to the baseline's branch."""
-    lines = [
-        f"Branching design: trunks of `{result['trunk_arm']}`, {result['branch_length']} updates per branch; "
-        f"eval loss minus the `{result['baseline']}` branch from the same trunk and step (nats).",
-    ]
-    for point in result["points"]:
-        lines += ["", f"Branched at step {point['at']}:", ""]
-        if not point["evals"]:
-            lines.append("no finished branches yet")
-            continue
-        last = point["evals"][-1]
-        lines += [
-            f"| arm | difference at {last['tokens']:,} tokens (mean over trunks) | contrast ± SE [95 % CI] | "
-            "paired t [95 % CI] | each trunk |",
-            "|---|---|---|---|---|",
-        ]
-        for arm, row in last["arms"].items():
-            mean = "-" if row["mean_difference"] is None else f"{row['mean_difference']:+.4f}"
-            each = ", ".join(f"s{s}: {d:+.4f}" for s, d in row["difference"].items())
-            cells = [arm, mean, _interval_cell(row["contrast"]), _interval_cell(row.get("paired")), each]
-            lines.append("| " + " | ".join(cells) + " |")
-        if point["missing"]:
-            lines.append(f"\nnot finished (left out): {', '.join(point['missing'])}")
-    return "\n".join(lines) + "\n"
+DESIGN = Branch()

@@ -1,6 +1,8 @@
-"""The pre-registered analysis of docs/study_plan.md: the primary metric per arm and seed, the paired
-arm x seed model, the contrasts C1-C10 with Holm's correction, each arm's iso-loss token overhead, and a
-verdict per claim. Pure functions over analysis.StudyRun lists (run directories are read elsewhere).
+"""The pipeline's claims layer: the pre-registered analysis of docs/study_plan.md. The primary metric per
+arm and seed, the paired arm x seed model, the contrasts with Holm's correction, each arm's iso-loss
+token overhead, and a verdict per claim. The contrasts and hypotheses are the plan file's [claims] table
+(`Hypotheses`); the verdict rules are the code below. Pure functions over analysis.StudyRun lists (run
+directories are read elsewhere; the report layer writes and plots the results).
 
 Invariants:
 - the primary metric is the mean eval loss of the last `last_k` periodic evaluations, at the same tokens for
@@ -8,15 +10,17 @@ Invariants:
   not diverged) enter the table, and the others are listed with their outcome;
 - a block is a seed: every arm with seed k shares its initialisation and data order;
 - the Holm family is the pre-registered family (C1-C7, C10) as far as the runs present make it
-  estimable, fitted on the pre-registered arms alone (FAMILY_ARMS: the ladder's ten), so that arms added
-  later change neither its pooled variance nor its degrees of freedom; the literature's contrasts (C8, C9
-  and their companions) are reported outside it, with no verdict, from a second fit over every arm
+  estimable, fitted on the pre-registered arms alone (the plan's family_arms: the ladder's ten), so that
+  arms added later change neither its pooled variance nor its degrees of freedom; the literature's
+  contrasts (C8, C9 and their companions) are reported outside it, with no verdict, from a second fit
+  over every arm
   present (its own pooled sd and df, `reported_model`); while some arms are missing the analysis is
   marked interim and every verdict that needs a missing arm says so; so is it while a planned cell (an
   arm present, a planned seed) has not ended, since its verdicts then rest on fewer blocks than planned
   (a diverged or failed run is an outcome, listed under excluded, not pending);
-- claim (a)'s rule reads two sums of the family's contrasts (DERIVED: C2 + C3 and C1 - C2 - C3); each is
-  one contrast of the same fit, outside the family, judged by Bonferroni over the family's size;
+- claim (a)'s rule reads two sums of the family's contrasts (the plan's derived: C2 + C3 and
+  C1 - C2 - C3); each is one contrast of the same fit, outside the family, judged by Bonferroni over
+  the family's size;
 - a contrast whose arms the design does not plan (not in `arms`, e.g. a confirmation at another scale
   with fewer arms) is outside that design's family, listed under `not_in_design`, never "not yet run";
 - the secondary metric (study_plan.md) is each ended run's final evaluation (the summary's `final_eval`:
@@ -37,86 +41,92 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
-from fp4jax.study import plots, runs, stats
+from fp4jax.study import runs, stats
 
 __all__ = [
-    "CLAIMS",
-    "CONTRASTS",
+    "CURVE_FRACTION",
     "DEFAULT_LAST_K",
-    "DERIVED",
-    "FAMILY_ARMS",
-    "REPORTED",
-    "TOKEN_BAND",
-    "MARGIN",
-    "SHARE",
-    "SHARE_AT_8B",
+    "Hypotheses",
     "analyze",
+    "band_tokens",
     "claim_verdicts",
-    "design_forest_plot",
-    "forest_plot",
     "primary_cells",
+    "share_text",
     "to_markdown",
 ]
 
-# Differences of the primary metric (nats; positive: the first arm is worse). docs/study_plan.md's table.
-CONTRASTS: dict[str, dict[str, float]] = {
-    "C1": {"full": 1, "fprop_dgrad": -1},
-    "C2": {"fprop": 1, "fp8": -1},
-    "C3": {"fprop_dgrad": 1, "fprop": -1},
-    "C4": {"full": 1, "h16_wgrad_only": -1},
-    "C5": {"full_sr": 1, "full": -1},
-    "C6": {"full_sr_prescale": 1, "full": -1},
-    "C7": {"full_rht": 1, "full": -1},
-    "C10": {"full_h16": 1, "fprop": -1},
-}
-# The literature's recipes (docs/study_plan.md's amendment): reported, outside the Holm family, no verdict.
-REPORTED: dict[str, dict[str, float]] = {
-    "C8": {"tseng": 1, "full": -1},
-    "C9": {"nvidia": 1, "full": -1},
-    "tseng - full_sr_prescale": {"tseng": 1, "full_sr_prescale": -1},
-    "nvidia - full_rht": {"nvidia": 1, "full_rht": -1},
-    # The decomposition (docs/study_plan.md, amendment of 2026-12-05 "H16's channel"): Wgrad's MXFP4 cost
-    # with the other GEMMs in FP8, H16's whole recovery and the parts of it through each rotated GEMM.
-    "wgrad - fp8": {"wgrad": 1, "fp8": -1},
-    "full - full_h16": {"full": 1, "full_h16": -1},
-    "full - h16_fprop": {"full": 1, "h16_fprop": -1},
-    "full - h16_fprop_dgrad": {"full": 1, "h16_fprop_dgrad": -1},
-    "h16_fprop_dgrad - full_h16": {"h16_fprop_dgrad": 1, "full_h16": -1},
-}
-# Claim (a)'s rule (docs/study_plan.md) reads two sums of its contrasts: the ordering C1 > C2 + C3, as one
-# contrast C1 - C2 - C3 = full - 2 fprop_dgrad + fp8, and the Fprop and Dgrad GEMMs' joint share
-# C2 + C3 = fprop_dgrad - fp8. Neither is a member of the Holm family, so "significant" means Bonferroni
-# at the family's size m (p * m <= alpha): Holm's most stringent step, and the interval that goes with
-# Holm's procedure (docs/study_analysis.md).
-DERIVED: dict[str, dict[str, float]] = {
-    "C1 - C2 - C3": {"full": 1, "fprop_dgrad": -2, "fp8": 1},
-    "C2 + C3": {"fprop_dgrad": 1, "fp8": -1},
-}
-# The arms the pre-registered family is fitted on: the ladder's ten (docs/study_plan.md, "Model": 10 arms
-# x 3 seeds, 18 df), full_h32 among them though no contrast names it.
-FAMILY_ARMS = (
-    "fp8", "fprop", "fprop_dgrad", "full", "full_sr", "full_sr_prescale", "full_rht", "full_h16",
-    "full_h32", "h16_wgrad_only",
-)  # fmt: skip
-CLAIMS = {
-    "a": "Wgrad drives the degradation (Wgrad's share of full's cost above 1/2: C1 > C2 + C3)",
-    "b": "SR and random Hadamard do not stabilise full MXFP4 (full diverges, and they do not prevent it)",
-    "c": "deterministic H16 restores full MXFP4 to the Fprop-only level (C10 within +-2.5 % tokens)",
-}
-# Claim (a)'s primary test (amendment of 2026-12-05): Wgrad's share of full's cost, C1 / (full - fp8), with
-# Fieller's interval; the claim (C1 > C2 + C3) is the share above 1/2.
-SHARE = ({"full": 1, "fprop_dgrad": -1}, {"full": 1, "fp8": -1})
-SHARE_CLAIMED = 0.5
-SHARE_AT_8B = (26.5 - 10.5) / 26.5  # the study's 8B tokens to target: full +26.5 %, fprop_dgrad +10.5 %
-MARGIN = 0.025  # claim (b)'s loss reading: a stabiliser "not better than full" by less than 2.5 % tokens
-STABILISERS = ("C5", "C6", "C7")
-DEFAULT_LAST_K = 5  # the plan's primary metric averages the last 5 evaluations
-TOKEN_BAND = 0.025  # claim (c)'s equivalence band in token overhead
+DEFAULT_LAST_K = 5  # the plan's primary metric averages the last 5 evaluations (a gate may say otherwise)
 CURVE_FRACTION = 0.5  # the baseline's curve is fitted over its last half of tokens
+TABLE_KEYS = {
+    "family_arms", "stabilisers", "margin", "token_band", "contrasts", "reported", "derived", "share",
+    "hypotheses",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Hypotheses:
+    """The claims a study tests, as its plan file's [claims] table states them (docs/study_plan.md).
+
+    contrasts: the pre-registered Holm family {name: {arm: weight}}; reported: contrasts reported outside
+    it with no verdict; derived: claim (a)'s sums of contrasts (Bonferroni over the family's size);
+    family_arms: the arms the family's model is fitted on; claims: {claim: its text}; share: claim (a)'s
+    ratio (numerator and denominator weights), the value it must exceed (share_above) and the 8B study's
+    (share_at_8b); stabilisers: claim (b)'s contrasts; margin: (b)'s non-inferiority margin in tokens;
+    token_band: claim (c)'s equivalence band in tokens. The verdict rules (code below) name the
+    contrasts C1, C2, C3, C10 and the sum "C1 - C2 - C3"."""
+
+    contrasts: dict[str, dict[str, float]]
+    reported: dict[str, dict[str, float]]
+    derived: dict[str, dict[str, float]]
+    family_arms: tuple[str, ...]
+    claims: dict[str, str]
+    share: tuple[dict[str, float], dict[str, float]]
+    share_above: float
+    share_at_8b: float
+    stabilisers: tuple[str, ...]
+    margin: float
+    token_band: float
+
+    @classmethod
+    def from_plan(cls, plan) -> Hypotheses:
+        """The plan's claims (plan.Plan.claims: its [claims] table or claims_from's), checked."""
+        table = plan.claims
+        if table is None:
+            raise ValueError(f"plan {plan.path} has no [claims] table (or claims_from): no claims to test")
+        if set(table) != TABLE_KEYS:
+            raise ValueError(
+                f"plan {plan.path}: [claims] needs exactly {sorted(TABLE_KEYS)}, not {sorted(table)}"
+            )
+        share = table["share"]
+        if set(share) != {"numerator", "denominator", "above", "at_8b"}:
+            raise ValueError(f"plan {plan.path}: [claims.share] is numerator, denominator, above, at_8b")
+        if set(table["hypotheses"]) != {"a", "b", "c"} or set(table["stabilisers"]) - set(table["contrasts"]):
+            raise ValueError(
+                f"plan {plan.path}: [claims] states hypotheses a, b, c; stabilisers are contrasts"
+            )
+        return cls(
+            contrasts=_weights(table["contrasts"]),
+            reported=_weights(table["reported"]),
+            derived=_weights(table["derived"]),
+            family_arms=tuple(table["family_arms"]),
+            claims=dict(table["hypotheses"]),
+            share=(dict(share["numerator"]), dict(share["denominator"])),
+            share_above=float(share["above"]),
+            share_at_8b=float(share["at_8b"]),
+            stabilisers=tuple(table["stabilisers"]),
+            margin=float(table["margin"]),
+            token_band=float(table["token_band"]),
+        )
+
+
+def _weights(table: dict) -> dict[str, dict[str, float]]:
+    """{name: {arm: weight}} as the file lists them (integers stay integers: weights_text prints them)."""
+    return {name: dict(weights) for name, weights in table.items()}
 
 
 def primary_cells(study_runs, last_k: int) -> tuple[dict, tuple[int, ...], list[dict]]:
@@ -129,7 +139,7 @@ def primary_cells(study_runs, last_k: int) -> tuple[dict, tuple[int, ...], list[
             excluded.append({"arm": run.rung, "seed": run.seed, "status": run.status})
     if not ended:
         return {}, (), excluded
-    cells, tokens = stats.final_eval_losses(ended, last_k)
+    cells, tokens = stats.primary_metrics(ended, last_k)
     return cells, tokens, excluded
 
 
@@ -155,7 +165,9 @@ def _pending_cells(cells: dict, excluded: list[dict], present: list[str], seeds)
     return [f"{a}/seed{k}" for a in present for k in seeds if (a, f"seed{k}") not in settled]
 
 
-def analyze(study_runs, baseline: str, arms, last_k: int, seeds=(), trunk_tokens: int | None = None) -> dict:
+def analyze(
+    study_runs, baseline: str, arms, last_k: int, h: Hypotheses, seeds=(), trunk_tokens: int | None = None
+) -> dict:
     """Every number of the pre-registered analysis as JSON-ready data (see the module docstring).
     seeds: the planned blocks; a planned cell not yet ended makes the analysis interim. trunk_tokens: for
     a branch design, the trunk's tokens at the branch point (overheads per branch token beside the
@@ -163,16 +175,16 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=(), trunk_tokens
     cells, tokens, excluded = primary_cells(study_runs, last_k)
     present = [a for a in arms if any(arm == a for arm, _ in cells)]
     pending = _pending_cells(cells, excluded, present, seeds)
-    family_arms = [a for a in present if a in FAMILY_ARMS or a == baseline]
+    family_arms = [a for a in present if a in h.family_arms or a == baseline]
     fit = _fit(cells, family_arms)
     every_fit = fit if family_arms == present else _fit(cells, present)
     table = stats.cells_to_table({k: v for k, v in cells.items() if k[0] in present}, arms=present)
     curve = _baseline_curve(study_runs, baseline)
-    estimable = {n: w for n, w in CONTRASTS.items() if set(w) <= set(present)}
+    estimable = {n: w for n, w in h.contrasts.items() if set(w) <= set(present)}
     family = stats.contrast_family(fit, estimable) if estimable and fit.df > 0 else []
     reported = [
         stats.contrast(every_fit, w, n)
-        for n, w in REPORTED.items()
+        for n, w in h.reported.items()
         if set(w) <= set(present) and every_fit.df > 0
     ]
     versus = [
@@ -184,7 +196,7 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=(), trunk_tokens
     ]
     derived = [
         _bonferroni(stats.contrast(fit, w, name), len(family))
-        for name, w in DERIVED.items()
+        for name, w in h.derived.items()
         if set(w) <= set(present) and fit.df > 0
     ]
     family, derived = _paired_family(family, derived, table)
@@ -221,13 +233,13 @@ def analyze(study_runs, baseline: str, arms, last_k: int, seeds=(), trunk_tokens
         "contrasts": [finish(r) for r in family],
         "reported": [finish(r) for r in reported],
         "derived": [finish(r) for r in derived],
-        "wgrad_share": _wgrad_share(fit, table),
-        "secondary": _secondary(study_runs, baseline, family_arms),
-        "not_in_design": [n for n, w in CONTRASTS.items() if not set(w) <= set(arms)],
-        "not_estimable": [n for n, w in CONTRASTS.items() if n not in estimable and set(w) <= set(arms)],
-        "reported_not_estimable": [n for n, w in REPORTED.items() if not set(w) <= set(present)],
+        "wgrad_share": _wgrad_share(fit, table, h),
+        "secondary": _secondary(study_runs, baseline, family_arms, h),
+        "not_in_design": [n for n, w in h.contrasts.items() if not set(w) <= set(arms)],
+        "not_estimable": [n for n, w in h.contrasts.items() if n not in estimable and set(w) <= set(arms)],
+        "reported_not_estimable": [n for n, w in h.reported.items() if not set(w) <= set(present)],
     }
-    result["verdicts"] = claim_verdicts(result)
+    result["verdicts"] = claim_verdicts(result, h)
     return result
 
 
@@ -283,11 +295,11 @@ def _decision(row: dict) -> tuple[bool, bool]:
     return bool(reject), bool(reject and row["estimate"] > 0)
 
 
-def _wgrad_share(fit: stats.AdditiveFit, table) -> dict | None:
+def _wgrad_share(fit: stats.AdditiveFit, table, h: Hypotheses) -> dict | None:
     """Wgrad's share of full's cost, C1 / (full - fp8), with Fieller's interval from the pooled fit and,
     under "paired", from the blocks where full, fprop_dgrad and fp8 all ended (None with fewer than 2);
     None when an arm is missing or the fit has no residual df."""
-    num, den = SHARE
+    num, den = h.share
     y, arms, blocks = table
     if not (set(num) | set(den)) <= set(fit.arms) or fit.df == 0:
         return None
@@ -298,10 +310,10 @@ def _wgrad_share(fit: stats.AdditiveFit, table) -> dict | None:
     paired = None
     if complete.sum() >= 2:
         paired = stats.paired_ratio(stats.block_values(*sub, num)[0], stats.block_values(*sub, den)[0])
-    return {**share, "paired": paired, "claimed_above": SHARE_CLAIMED, "at_8b": SHARE_AT_8B}
+    return {**share, "paired": paired, "claimed_above": h.share_above, "at_8b": h.share_at_8b}
 
 
-def _secondary(study_runs, baseline: str, family_arms: list[str]) -> dict | None:
+def _secondary(study_runs, baseline: str, family_arms: list[str], h: Hypotheses) -> dict | None:
     """The final evaluation's arm x seed analysis over the family's arms: each arm against the baseline,
     the family's contrasts and claim (a)'s sums, t intervals (pooled, and paired beside them), no
     correction and no verdict; None without residual df."""
@@ -318,7 +330,7 @@ def _secondary(study_runs, baseline: str, family_arms: list[str]) -> dict | None
         return None
     table = stats.cells_to_table(cells, arms=arms)
     versus = [stats.contrast(fit, {a: 1, baseline: -1}, f"{a} - {baseline}") for a in arms if a != baseline]
-    named = {**CONTRASTS, **DERIVED}
+    named = {**h.contrasts, **h.derived}
     family = [stats.contrast(fit, w, n) for n, w in named.items() if set(w) <= set(arms)]
     versus, family = ([_paired_beside(r, table) for r in rows] for rows in (versus, family))
     return {
@@ -370,7 +382,7 @@ def _pending(names, rows, not_estimable, not_in_design, model="pooled") -> tuple
 # --------------------------------------------------------- the rules of the amendment of 2026-12-05
 
 
-def _band_tokens(row: dict) -> dict:
+def band_tokens(row: dict) -> dict:
     """The overhead the bands and margins apply to: per branch token in a branch design, else whole-run."""
     return row.get("per_branch_token") or row["tokens"]
 
@@ -395,7 +407,7 @@ def share_text(share: dict) -> str:
     return f"{estimate}, unbounded (every value)"
 
 
-def _verdict_a(rows: dict, derived: dict, share, unrun, unplanned, model) -> tuple[str, str]:
+def _verdict_a(rows: dict, derived: dict, share, unrun, unplanned, model, h: Hypotheses) -> tuple[str, str]:
     """Supported when Wgrad's share's Fieller interval is bounded and above 1/2, refuted when bounded and
     below it; otherwise (an unbounded set: full - fp8 not significantly non-zero) not resolved."""
     if share is None:
@@ -405,48 +417,48 @@ def _verdict_a(rows: dict, derived: dict, share, unrun, unplanned, model) -> tup
     if ordering:
         why += f"; C1 - C2 - C3 = {ordering['estimate']:+.4f} [{ordering['ci_low']:+.4f}, "
         why += f"{ordering['ci_high']:+.4f}] nats"
-    if share["bounded"] and share["lo"] > SHARE_CLAIMED:
+    if share["bounded"] and share["lo"] > h.share_above:
         return "supported", why
-    if share["bounded"] and share["hi"] < SHARE_CLAIMED:
+    if share["bounded"] and share["hi"] < h.share_above:
         return "refuted", why
     return "not resolved at this scale", why
 
 
-def _loss_reading_b(rows: dict, unrun, unplanned, model) -> tuple[str, str]:
+def _loss_reading_b(rows: dict, unrun, unplanned, model, h: Hypotheses) -> tuple[str, str]:
     """(b)'s loss reading: "better than full" when one of C5-C7 is significantly < 0 after Holm; "not
-    better than full" when every one's lower token bound lies above -MARGIN (each improvement's upper bound
+    better than full" when every one's lower token bound lies above -h.margin (each improvement's upper bound
     below the margin: an intersection-union test); otherwise not resolved."""
-    if _missing(STABILISERS, rows):
-        return _pending(STABILISERS, rows, unrun, unplanned, model)
-    tokens = {n: _band_tokens(rows[n]) for n in STABILISERS}
+    if _missing(h.stabilisers, rows):
+        return _pending(h.stabilisers, rows, unrun, unplanned, model)
+    tokens = {n: band_tokens(rows[n]) for n in h.stabilisers}
     why = "; ".join(
         f"{n} = {_pct_interval(tokens[n])} {_unit(rows[n])} (Holm p {rows[n]['p_holm']:.3g})"
-        for n in STABILISERS
+        for n in h.stabilisers
     )
-    if any(rows[n]["reject"] and rows[n]["estimate"] < 0 for n in STABILISERS):
+    if any(rows[n]["reject"] and rows[n]["estimate"] < 0 for n in h.stabilisers):
         return "better than full", why
-    if all(tokens[n]["ci_low"] is not None and tokens[n]["ci_low"] > -MARGIN for n in STABILISERS):
+    if all(tokens[n]["ci_low"] is not None and tokens[n]["ci_low"] > -h.margin for n in h.stabilisers):
         return "not better than full", why
     return "not resolved at this scale", why
 
 
-def _verdict_c(rows: dict, unrun, unplanned, model) -> tuple[str, str]:
-    """C10's token interval (per branch token in a branch design) within +-TOKEN_BAND: supported; wholly
-    above +TOKEN_BAND: refuted; otherwise not resolved."""
+def _verdict_c(rows: dict, unrun, unplanned, model, h: Hypotheses) -> tuple[str, str]:
+    """C10's token interval (per branch token in a branch design) within +-token_band: supported; wholly
+    above +token_band: refuted; otherwise not resolved."""
     if "C10" not in rows:
         return _pending(("C10",), rows, unrun, unplanned, model)
-    tok = _band_tokens(rows["C10"])
+    tok = band_tokens(rows["C10"])
     if tok["overhead"] is None or tok["ci_low"] is None or tok["ci_high"] is None:
         return "not resolved at this scale", tok.get("note") or "no token conversion"
     why = f"C10 = {tok['overhead']:+.2%} {_unit(rows['C10'])} [{tok['ci_low']:+.2%}, {tok['ci_high']:+.2%}]"
-    if -TOKEN_BAND <= tok["ci_low"] and tok["ci_high"] <= TOKEN_BAND:
+    if -h.token_band <= tok["ci_low"] and tok["ci_high"] <= h.token_band:
         return "supported", why
-    if tok["ci_low"] > TOKEN_BAND:
+    if tok["ci_low"] > h.token_band:
         return "refuted", why
     return "not resolved at this scale", why
 
 
-def _divergence_b(result: dict) -> tuple[str, str]:
+def _divergence_b(result: dict, h: Hypotheses) -> tuple[str, str]:
     """(b) as the study states it: not testable where no run of full diverged; else refuted when a
     stabiliser ended in every block where full diverged, supported when each diverged in every such
     block, otherwise not resolved."""
@@ -455,7 +467,7 @@ def _divergence_b(result: dict) -> tuple[str, str]:
     if not blocks:
         return "not testable as stated", "no run of full diverged"
     ended = {tuple(key.split("/")) for key in result["cells"]}
-    arms = [next(a for a in CONTRASTS[n] if a != "full") for n in STABILISERS]
+    arms = [next(a for a in h.contrasts[n] if a != "full") for n in h.stabilisers]
     outcome = {a: [_outcome((a, b), ended, diverged) for b in blocks] for a in arms}
     why = f"full diverged in {', '.join(blocks)}; there " + "; ".join(
         f"{a}: {', '.join(o)}" for a, o in outcome.items()
@@ -493,7 +505,7 @@ def _both(pooled: tuple[str, str], paired: tuple[str, str]) -> dict:
     }
 
 
-def claim_verdicts(result: dict) -> dict[str, dict]:
+def claim_verdicts(result: dict, h: Hypotheses) -> dict[str, dict]:
     """docs/study_plan.md's decision rules as amended on 2026-12-05, under both models, with the
     pre-registered rules' verdicts beside them: {claim: {claim, verdict, why, model_dependent, pooled,
     paired, preregistered}}; (b)'s verdict is the divergence test, its loss reading under "loss_reading"."""
@@ -502,17 +514,17 @@ def claim_verdicts(result: dict) -> dict[str, dict]:
     for model in ("pooled", "paired"):
         rows, sums, share = _model_rows(result, model)
         judged[model] = {
-            "a": _verdict_a(rows, sums, share, unrun, unplanned, model),
-            "b": _loss_reading_b(rows, unrun, unplanned, model),
-            "c": _verdict_c(rows, unrun, unplanned, model),
+            "a": _verdict_a(rows, sums, share, unrun, unplanned, model, h),
+            "b": _loss_reading_b(rows, unrun, unplanned, model, h),
+            "c": _verdict_c(rows, unrun, unplanned, model, h),
         }
-    out = {k: {"claim": CLAIMS[k], **_both(judged["pooled"][k], judged["paired"][k])} for k in CLAIMS}
-    stated, why = _divergence_b(result)
-    loss = {**out["b"], "margin": MARGIN}
+    out = {k: {"claim": h.claims[k], **_both(judged["pooled"][k], judged["paired"][k])} for k in h.claims}
+    stated, why = _divergence_b(result, h)
+    loss = {**out["b"], "margin": h.margin}
     del loss["claim"]
-    out["b"] = {"claim": CLAIMS["b"], "verdict": stated, "why": why, "model_dependent": False}
+    out["b"] = {"claim": h.claims["b"], "verdict": stated, "why": why, "model_dependent": False}
     out["b"]["loss_reading"] = loss
-    for k, verdict in _preregistered(result).items():
+    for k, verdict in _preregistered(result, h).items():
         out[k]["preregistered"] = {"verdict": verdict[0], "why": verdict[1]}
     return out
 
@@ -520,21 +532,23 @@ def claim_verdicts(result: dict) -> dict[str, dict]:
 # ------------------------------------------------- the pre-registered rules (superseded, reported beside)
 
 
-def _preregistered(result: dict) -> dict[str, tuple[str, str]]:
+def _preregistered(result: dict, h: Hypotheses) -> dict[str, tuple[str, str]]:
     """study_plan.md's decision rules as pre-registered, on the pooled model and whole-run tokens."""
     rows, sums = _by_name(result["contrasts"]), _by_name(result["derived"])
     unrun, unplanned = result["not_estimable"], result["not_in_design"]
     return {
-        "a": _preregistered_a(rows, sums, unrun, unplanned),
-        "b": _preregistered_b(rows, unrun, unplanned),
-        "c": _preregistered_c(rows, unrun, unplanned),
+        "a": _preregistered_a(rows, sums, unrun, unplanned, h),
+        "b": _preregistered_b(rows, unrun, unplanned, h),
+        "c": _preregistered_c(rows, unrun, unplanned, h),
     }
 
 
-def _preregistered_a(rows: dict, derived: dict, not_estimable, not_in_design) -> tuple[str, str]:
+def _preregistered_a(
+    rows: dict, derived: dict, not_estimable, not_in_design, h: Hypotheses
+) -> tuple[str, str]:
     """Supported: C1 significantly > 0 and C1 > C2 + C3 (the ordering significant); refuted: C1 not
     significantly > 0 while C2 + C3 is; otherwise not resolved. C1 by Holm, the two sums by Bonferroni."""
-    if _missing(("C1", "C2", "C3"), rows) or _missing(DERIVED, derived):
+    if _missing(("C1", "C2", "C3"), rows) or _missing(h.derived, derived):
         return _pending(("C1", "C2", "C3"), rows, not_estimable, not_in_design)
     c1, ordering, front = rows["C1"], derived["C1 - C2 - C3"], derived["C2 + C3"]
     why = "; ".join(
@@ -552,20 +566,22 @@ def _preregistered_a(rows: dict, derived: dict, not_estimable, not_in_design) ->
     return "not resolved at this scale", why
 
 
-def _preregistered_b(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
-    if _missing(STABILISERS, rows):
-        return _pending(STABILISERS, rows, not_estimable, not_in_design)
-    helps = [n for n in STABILISERS if rows[n]["reject"] and rows[n]["estimate"] < 0]
-    why = "; ".join(f"{n} = {rows[n]['estimate']:+.4f} (Holm p {rows[n]['p_holm']:.3g})" for n in STABILISERS)
+def _preregistered_b(rows: dict, not_estimable, not_in_design, h: Hypotheses) -> tuple[str, str]:
+    if _missing(h.stabilisers, rows):
+        return _pending(h.stabilisers, rows, not_estimable, not_in_design)
+    helps = [n for n in h.stabilisers if rows[n]["reject"] and rows[n]["estimate"] < 0]
+    why = "; ".join(
+        f"{n} = {rows[n]['estimate']:+.4f} (Holm p {rows[n]['p_holm']:.3g})" for n in h.stabilisers
+    )
     return ("refuted" if helps else "supported"), why
 
 
-def _preregistered_c(rows: dict, not_estimable, not_in_design) -> tuple[str, str]:
+def _preregistered_c(rows: dict, not_estimable, not_in_design, h: Hypotheses) -> tuple[str, str]:
     """C10's whole-run token interval against the +-2.5 % band."""
     if "C10" not in rows:
         return _pending(("C10",), rows, not_estimable, not_in_design)
     whole = {k: v for k, v in rows["C10"].items() if k != "per_branch_token"}
-    return _verdict_c({"C10": whole}, not_estimable, not_in_design, "pooled")
+    return _verdict_c({"C10": whole}, not_estimable, not_in_design, "pooled", h)
 
 
 def _nats(value: float | None) -> str:
@@ -722,50 +738,3 @@ def _secondary_markdown(secondary: dict | None) -> list[str]:
         cells += ["-", "-"] if paired is None else [_interval(paired), f"{paired['p']:.3g}"]
         lines.append("| " + " | ".join([*cells, _models(row)]) + " |")
     return lines
-
-
-def forest_plot(result: dict, path: str) -> None:
-    """Each arm's and contrast's token overhead with its 95 % interval (plots.plot_forest), in the unit
-    the bands apply in: per branch token in a branch design."""
-    every = result["versus_baseline"] + result["contrasts"] + result["derived"] + result["reported"]
-    rows = [(_label(r), _band_tokens(r)) for r in every if _plotted(_band_tokens(r))]
-    branch = result.get("trunk_tokens") is not None
-    unit = "token overhead per branch token" if branch else "token overhead"
-    plots.plot_forest(rows, TOKEN_BAND, path, xlabel=f"{unit} (iso-loss, 95 % interval)")
-
-
-def _plotted(tok: dict) -> bool:
-    return all(tok[k] is not None for k in ("overhead", "ci_low", "ci_high"))
-
-
-def design_forest_plot(results: dict[str, dict], path: str) -> None:
-    """The pre-registered contrasts (and full against the baseline) of several analyses side by side:
-    results maps a design's name (e.g. "from scratch", "branched at 250") to its `analyze` dict. Token
-    overheads in the unit the bands apply in (per branch token for a branch design)."""
-    names = ["full - fp8", *CONTRASTS, *DERIVED]
-    labels, series = [], {design: [] for design in results}
-    for name in names:
-        found = {d: _find(r, name) for d, r in results.items()}
-        if not any(found.values()):
-            continue
-        labels.append(_label(next(row for row in found.values() if row)))
-        for design, row in found.items():
-            tok = row and _band_tokens(row)
-            series[design].append(tok if tok and _plotted(tok) else None)
-    xlabel = "token overhead, iso-loss, 95 % (branched: per branch token)"
-    plots.plot_forest_by_design(labels, series, TOKEN_BAND, path, xlabel=xlabel)
-
-
-def _find(result: dict, name: str) -> dict | None:
-    rows = result["versus_baseline"] + result["contrasts"] + result["derived"]
-    return next((r for r in rows if r["name"] == name), None)
-
-
-def _label(row: dict) -> str:
-    if row["name"] in DERIVED:
-        return f"{row['name']}: " + stats.weights_text(row["weights"])
-    if row["name"] not in {**CONTRASTS, **REPORTED} or " " in row["name"]:
-        return row["name"]
-    return f"{row['name']}: " + " - ".join(
-        a for a, _ in sorted(row["weights"].items(), key=lambda kv: -kv[1])
-    )

@@ -1,6 +1,7 @@
-"""Loss spikes per run of a stage that counts them (the plan's count_spikes), and the LR-stress series: the
-runs of a reference stage (1x) and of the stages that name it as lr_reference (4x, 16x, ...), each arm's
-loss difference against the baseline at every LR point with spikes and divergences beside it, and the
+"""The claims layer's LR-stress analysis. Loss spikes per run of a stage that counts them (a from-scratch
+stage's count_spikes), and the LR-stress series: the runs of a reference stage (1x) and of the stages
+that name it as lr_reference (4x, 16x, ...), each arm's loss difference against the baseline at every
+LR point with spikes and divergences beside it, and the
 decision rule of docs/study_plan.md (amendment of 2026-12-04, the LR stress test).
 
 Invariants:
@@ -30,11 +31,13 @@ from fp4jax.study import analysis, claims, plan, runs, stats
 
 __all__ = [
     "ENDED",
+    "SPIKE_KEYS",
     "GREW",
     "LESS_STABLE",
     "NOT_SHOWN",
     "WAITING",
     "paired_at",
+    "reference_of",
     "references",
     "run_row",
     "run_spikes",
@@ -45,6 +48,7 @@ __all__ = [
     "totals",
 ]
 
+SPIKE_KEYS = ("spike_nats", "window")  # a from-scratch stage's count_spikes: stats.loss_spikes's rule
 ENDED = (*runs.FINISHED, "diverged")  # a run's own outcome; "failed" is the harness's, not the run's
 GREW = 2.0  # the growth from 1x that counts: more than GREW standard errors of the contrast
 LESS_STABLE = "less LR-stable than the baseline"
@@ -103,7 +107,7 @@ def totals(rows: list[dict]) -> dict:
 def stage_spikes(root: str, stage, rule: dict | None = None, arms=None, seeds=None) -> dict:
     """Every run the stage plans (plan.stage_specs; only `arms` and `seeds` when given) with its spikes under
     `rule` (default: the stage's count_spikes), and per arm the totals."""
-    rule = rule or stage.count_spikes
+    rule = rule or stage.options.count_spikes
     sroot = plan.stage_root(root, stage)
     rows = [
         run_row(spec.rung.name, spec.seed, spec.directory(sroot), rule)
@@ -155,9 +159,14 @@ def _text(value) -> str:
 # ---------------------------------------------------------------------------------------- the series
 
 
+def reference_of(stage) -> str | None:
+    """The stage a stage names as its 1x LR point (a from-scratch stage's lr_reference), else None."""
+    return getattr(stage.options, "lr_reference", None)
+
+
 def references(the_plan) -> list[str]:
     """The stages some stage names as its lr_reference, in plan order: one LR series each."""
-    named = {s.lr_reference for s in the_plan.stages}
+    named = {reference_of(s) for s in the_plan.stages}
     return [s.name for s in the_plan.stages if s.name in named]
 
 
@@ -252,8 +261,12 @@ def _verdict(arm: str, baseline: str, points: list[dict], growth: dict) -> dict:
 def series(the_plan, root: str, reference: str) -> dict:
     """The LR series of `reference` (see the module docstring) as JSON-ready data."""
     ref = the_plan.stage(reference)
-    stress = sorted((s for s in the_plan.stages if s.lr_reference == reference), key=lambda s: s.peak_lr)
-    arms, seeds, rule = list(stress[0].arms), sorted(stress[0].seeds), stress[0].count_spikes  # plan: shared
+    stress = sorted((s for s in the_plan.stages if reference_of(s) == reference), key=lambda s: s.peak_lr)
+    arms, seeds, rule = (
+        list(stress[0].arms),
+        sorted(stress[0].seeds),
+        stress[0].options.count_spikes,
+    )  # shared
     last_k = next((s.gate["last_evals"] for s in the_plan.stages if s.gate), claims.DEFAULT_LAST_K)
     points, cells = [], {}
     for stage in (ref, *stress):

@@ -1,14 +1,19 @@
-"""The study's figures from analysis.analyze's dict (loss curves, overhead bars, LR sensitivity) and the
-forest plot of the pre-registered analysis (claims.forest_plot)."""
+"""The report layer's figures: a scratch stage's (analysis.analyze's dict: loss curves, overhead bars, LR
+sensitivity, per-GEMM diagnostics), a branch stage's differences, an LR series, and the forest plots of
+the claims' analysis (claims.analyze's dict, by design). Only report.py's writer calls them."""
 
 from __future__ import annotations
 
 import math
 
 from fp4jax.report_files import save_png
+from fp4jax.study import claims
 from fp4jax.study.analysis import GEMMS, first_probed
+from fp4jax.study.stats import weights_text
 
 __all__ = [
+    "claims_by_design",
+    "claims_forest",
     "plot_all",
     "plot_branches",
     "plot_curves",
@@ -255,6 +260,53 @@ def plot_lr_series(result: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     _save(fig, path)
+
+
+def claims_forest(result: dict, h, path: str) -> None:
+    """Each arm's and contrast's token overhead with its 95 % interval (plot_forest), in the unit
+    the bands apply in: per branch token in a branch design."""
+    every = result["versus_baseline"] + result["contrasts"] + result["derived"] + result["reported"]
+    rows = [(_claim_label(r, h), claims.band_tokens(r)) for r in every if _plotted(claims.band_tokens(r))]
+    branch = result.get("trunk_tokens") is not None
+    unit = "token overhead per branch token" if branch else "token overhead"
+    plot_forest(rows, h.token_band, path, xlabel=f"{unit} (iso-loss, 95 % interval)")
+
+
+def _plotted(tok: dict) -> bool:
+    return all(tok[k] is not None for k in ("overhead", "ci_low", "ci_high"))
+
+
+def claims_by_design(results: dict[str, dict], h, path: str) -> None:
+    """The pre-registered contrasts (and full against the baseline) of several analyses side by side:
+    results maps a design's name (e.g. "from scratch", "branched at 250") to its `analyze` dict. Token
+    overheads in the unit the bands apply in (per branch token for a branch design)."""
+    names = ["full - fp8", *h.contrasts, *h.derived]
+    labels, series = [], {design: [] for design in results}
+    for name in names:
+        found = {d: _find_row(r, name) for d, r in results.items()}
+        if not any(found.values()):
+            continue
+        labels.append(_claim_label(next(row for row in found.values() if row), h))
+        for design, row in found.items():
+            tok = row and claims.band_tokens(row)
+            series[design].append(tok if tok and _plotted(tok) else None)
+    xlabel = "token overhead, iso-loss, 95 % (branched: per branch token)"
+    plot_forest_by_design(labels, series, h.token_band, path, xlabel=xlabel)
+
+
+def _find_row(result: dict, name: str) -> dict | None:
+    rows = result["versus_baseline"] + result["contrasts"] + result["derived"]
+    return next((r for r in rows if r["name"] == name), None)
+
+
+def _claim_label(row: dict, h) -> str:
+    if row["name"] in h.derived:
+        return f"{row['name']}: " + weights_text(row["weights"])
+    if row["name"] not in {**h.contrasts, **h.reported} or " " in row["name"]:
+        return row["name"]
+    return f"{row['name']}: " + " - ".join(
+        a for a, _ in sorted(row["weights"].items(), key=lambda kv: -kv[1])
+    )
 
 
 def _save(fig, path: str) -> None:

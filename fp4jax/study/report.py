@@ -1,188 +1,145 @@
-"""The study's markdown tables from analysis.analyze's dict (with, for a stage that counts them, its runs'
-loss spikes under "spikes": lr_stress.stage_spikes); the JSON beside them holds every number."""
+"""The pipeline's report layer: the one writer of every report file (BASE.md, BASE.json and the figures
+beside them) and `report_plan`, the report of a whole plan from whatever runs exist.
+
+`report_plan` writes, into OUT: per stage its design's report (the design's `report`: a from-scratch
+stage's <stage>.md/.json/.png and <stage>_gate.json, a branch stage's differences and its claims per
+branch point); lr_stress_<reference>.md/.json/.png per LR series; claims.md/.json/.png, the claims over
+the pooled from-scratch stages (`pooled_scratch_runs`); claims_by_design.png when more than one design
+has claims; progress.md/.json. Every file is written by `write`, and the text is printed as written.
+"""
 
 from __future__ import annotations
 
 import os
 
-from fp4jax.report_files import write_json
-from fp4jax.study import lr_stress
-from fp4jax.study.analysis import GEMMS, first_probed
+from fp4jax import report_files
+from fp4jax.study import analysis, claims, lr_stress, plots
+from fp4jax.study.plan import Plan, stage_root
+from fp4jax.study.progress import progress, progress_markdown
 
-__all__ = [
-    "SEED_OUTCOMES",
-    "diagnostics_table",
-    "group_line",
-    "ladder_table",
-    "lr_table",
-    "seed_outcome",
-    "to_markdown",
-    "tokens_cell",
-    "write",
-]
-
-SEED_OUTCOMES = (("reached", "reached"), ("diverged", "diverged"), ("not_reached", "ran out"))
+__all__ = ["emit_print", "pooled_scratch_runs", "report_plan", "write", "write_claims", "write_progress"]
 
 
-def _num(value, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
+def emit_print(line: str) -> None:
+    print(line, flush=True)
 
 
-def _pm(value, err, spec: str) -> str:
-    """'value ± err' (just value without an error, '-' without a value)."""
-    if value is None:
-        return "-"
-    return format(value, spec) + ("" if err is None else " ± " + format(err, spec.lstrip("+")))
+def write(base: str | None, text: str, data: dict, draw=None, emit=emit_print) -> list[str]:
+    """Prints `text`; with a `base`, writes BASE.md (the text), BASE.json (the data: compact, sorted keys)
+    and the figures `draw(base)` writes (it returns their paths), the directory made first. Returns the
+    paths written."""
+    emit(text.rstrip("\n"))
+    if base is None:
+        return []
+    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
+    with open(base + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    report_files.write_json(data, base + ".json")
+    paths = [base + ".md", base + ".json", *(draw(base) if draw else [])]
+    emit(f"wrote {', '.join(paths)}")
+    return paths
 
 
-def seed_outcome(row: dict) -> str:
-    """One seed's result: its tokens to target, 'diverged @ step N', 'not reached (T tokens)' or 'failed'."""
-    o = row["outcome"]
-    if o == "reached":
-        first = " (first eval)" if row["crossing"]["first_eval"] else ""
-        return f"{row['tokens_to_target']:,.0f}{first}"
-    if o == "diverged":
-        return f"diverged @ step {row['diverged_step']}"
-    if o == "not_reached" and row["status"] == "reached":  # stopped at its config's target, above this one
-        return f"not reached (stopped at its own target, {_num(row['tokens_trained'], ',')} tokens)"
-    if o == "not_reached":
-        return f"not reached within budget ({_num(row['tokens_trained'], ',')} tokens)"
-    if o == "failed":
-        return f"failed ({row['failure']})"
-    return "unfinished"
+def write_json(path: str, data: dict, emit=emit_print) -> None:
+    """A bare JSON file (compact, sorted keys), e.g. a stage's gate."""
+    report_files.write_json(data, path)
+    emit(f"wrote {path}")
 
 
-def tokens_cell(g: dict) -> str:
-    """Mean ± sd over the seeds that reached; a lone seed's own outcome (so a diverged rung reads so)."""
-    if len(g["runs"]) == 1:
-        return seed_outcome(g["runs"][0])
-    if g["tokens_to_target_mean"] is None:
-        return "none reached"
-    return _pm(g["tokens_to_target_mean"], g["tokens_to_target_sd"], ",.0f")
+def _base(out: str | None, name: str) -> str | None:
+    return None if out is None else os.path.join(out, name)
 
 
-def group_line(g: dict, with_lr: bool) -> str:
-    counts = " / ".join(str(g["counts"][k]) for k, _ in SEED_OUTCOMES)
-    extra = g["counts"]["failed"] + g["counts"]["unfinished"]
-    counts += f" (+{extra} failed/unfinished)" if extra else ""
-    per_seed = "; ".join(f"s{r['seed']}: {seed_outcome(r)}" for r in g["runs"])
-    paired = g["paired"]
-    cells = [
-        g["rung"],
-        *([_num(g["lr"], "g")] if with_lr else []),
-        counts,
-        tokens_cell(g),
-        ", ".join(f"{i:,}" for i in g["eval_intervals"]) or "-",
-        per_seed,
-        _pm(g["token_overhead"], g["token_overhead_se"], "+.1%"),
-        "-" if not paired else f"{_pm(paired['mean'], paired['sd'], '+.1%')} (n={paired['n']})",
-        tokens_per_s_cell(g),
-        _num(g["step_speedup"], ".3f"),
-        _pm(g["end_to_end_speedup"], g["end_to_end_speedup_se"], ".3f"),
-        _pm(g["time_saved"], g["time_saved_se"], "+.1%"),
-    ]
-    return "| " + " | ".join(cells) + " |"
-
-
-def tokens_per_s_cell(g: dict) -> str:
-    """The rung's mean tokens/s and the GPU sharing it was measured under (runs.gpu_sharing)."""
-    if g["tokens_per_s"] is None:
-        return "-"
-    n, mixed = g.get("runs_per_gpu"), g.get("gpu_sharings")
-    if mixed:
-        where = f"mixed: {', '.join(map(str, mixed))} runs per GPU"
-    elif n is None:
-        where = "sharing not recorded"
-    else:
-        where = "alone on its GPU" if n == 1 else f"{n} runs per GPU"
-    return f"{g['tokens_per_s']:,.0f} ({where})"
-
-
-def ladder_table(result: dict) -> list[str]:
-    with_lr = any(g["lr"] is not None for g in result["groups"])
-    head = ["rung", *(["peak LR"] if with_lr else []), "seeds reached / diverged / ran out"]
-    head += ["tokens to target (mean ± sd)", "eval interval (tokens)", "each seed"]
-    head += ["token overhead ± s.e.", "paired overhead (mean ± sd)", "tokens/s", "step speed-up"]
-    head += ["end-to-end speed-up ± s.e.", "time saved ± s.e."]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += [group_line(g, with_lr) for g in result["groups"]]
-    lines += [f"| {name} | missing: no runs under the root |" for name in result["missing_rungs"]]
-    return lines
-
-
-def lr_table(curves: dict) -> list[str]:
-    """Final eval loss (mean ± sd over seeds) per rung and peak LR; diverged seeds named."""
-    lrs = sorted({row[0] for rows in curves.values() for row in rows})
-    lines = ["| rung | " + " | ".join(f"LR {lr:g}" for lr in lrs) + " |", "|" + "---|" * (len(lrs) + 1)]
-    for rung, rows in curves.items():
-        by_lr = {row[0]: row for row in rows}
-        cells = [_lr_cell(by_lr.get(lr)) for lr in lrs]
-        lines.append(f"| {rung} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _lr_cell(row) -> str:
-    if row is None:
-        return "-"
-    _, mean, sd, n_ok, n_div = row
-    cell = _pm(mean, sd, ".4f") if n_ok else ""
-    return (cell + (f" ({n_div} diverged)" if n_div else "")).strip() or "-"
-
-
-def diagnostics_table(groups: list[dict]) -> list[str]:
-    """Per (rung, LR), its first probed seed: the last probe's output relative error per GEMM (mean over
-    layer kinds), the probe's share of this run's training time (its compilation included) and its steady
-    cost in training steps (overhead at N = 100 is about cost / 100)."""
-    head = "| rung | seed | last probed step | Fprop | Dgrad | Wgrad | probe overhead (run) | probe (steps) |"
-    lines = [head, "|" + "---|" * 8]
-    for g in groups:
-        run = first_probed(g)
-        if run is None:
+def report_plan(plan: Plan, root: str, out: str | None, target: str = "config", emit=emit_print) -> None:
+    """Every report of the plan from the runs under `root` (module docstring), into `out` (None: printed
+    only)."""
+    by_design = {}  # "branched at N" -> the claims' analysis of that branch point
+    for stage in plan.stages:
+        if not os.path.isdir(stage_root(root, stage)):
+            emit(f"study: stage {stage.name}: not run (no runs yet)")
             continue
-        d = run["diagnostics"]
-        errs = [_num(d["out_rel_err"].get(gemm, [None])[-1], ".3e") for gemm in GEMMS]
-        name = g["rung"] if g["lr"] is None else f"{g['rung']} (LR {g['lr']:g})"
-        cost = _num(d.get("probe_steps"), ".2f")
-        cells = [name, str(run["seed"]), str(d["last_step"]), *errs, _num(d["overhead"], ".2%"), cost]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines if len(lines) > 2 else []
+        by_design.update(stage.design_impl.report(stage, plan, root, out, target, emit))
+    write_lr_series(plan, root, out, emit)
+    scratch = write_claims(plan, root, out, emit)
+    if scratch is not None:
+        by_design = {"from scratch": scratch, **by_design}
+    if out and len(by_design) > 1:
+        path = os.path.join(out, "claims_by_design.png")
+        plots.claims_by_design(by_design, claims.Hypotheses.from_plan(plan), path)
+        emit(f"wrote {path}")
+    write_progress(plan, root, out, emit)
 
 
-def to_markdown(result: dict) -> str:
-    lines = [
-        f"Target eval loss {result['target_eval_loss']:.4f} nats ({result['target_rule']}); "
-        f"baseline `{result['baseline']}`.",
-        "",
-        *ladder_table(result),
-        "",
-        "Tokens to target: interpolated linearly in tokens between the two evaluations that bracket the "
-        "target (resolution: the eval interval beside it); mean ± sample sd over the seeds that reached it. "
-        "Overhead: mean_rung / mean_baseline - 1, s.e. by the delta method from both means' standard "
-        "errors; paired: per-seed ratios against the baseline's same seed. End-to-end speed-up = "
-        "T_baseline / T_rung, time saved = 1 - T_rung / T_baseline, T = tokens to target / tokens/s.",
+def write_progress(plan: Plan, root: str, out: str | None, emit=emit_print) -> None:
+    """Where the plan stands, stage by stage (progress.progress): progress.md and .json."""
+    rows = progress(plan, root)
+    write(_base(out, "progress"), progress_markdown(rows), {"stages": rows}, emit=emit)
+
+
+def write_lr_series(plan: Plan, root: str, out: str | None, emit=emit_print) -> None:
+    """Each LR series (lr_stress.series) whose stages have any run: DIR/lr_stress_<reference>.md, .json and
+    .png (plots.plot_lr_series); its points without runs read "not run"."""
+    for reference in lr_stress.references(plan):
+        stages = [s for s in plan.stages if reference in (s.name, lr_stress.reference_of(s))]
+        if not any(os.path.isdir(stage_root(root, s)) for s in stages):
+            emit(f"study: LR series of {reference}: not run (no runs yet)")
+            continue
+        result = lr_stress.series(plan, root, reference)
+
+        def draw(base, result=result):
+            plots.plot_lr_series(result, base + ".png")
+            return [base + ".png"]
+
+        write(_base(out, f"lr_stress_{reference}"), lr_stress.series_markdown(result), result, draw, emit)
+
+
+def pooled_scratch_runs(plan: Plan, root: str) -> tuple[list, list, list[str], list[int]] | None:
+    """The stage-pooling rule of the claims from scratch: every paired from-scratch stage that is not an
+    LR point and shares the first such stage's baseline and back end (a check that reruns a cell under
+    another back end or against another baseline is not a block of the claims' design). Their seeds are
+    shared, so the arms of all of them enter one arm x seed table; a run reused by several stages counts
+    once. Returns (stages, runs, arms, seeds), None without such stages."""
+    stages = [
+        s
+        for s in plan.stages
+        if s.design == "scratch_paired"
+        and lr_stress.reference_of(s) is None
+        and os.path.isdir(stage_root(root, s))
     ]
-    if result["lr_sensitivity"]:
-        lines += ["", "Final eval loss against peak LR (mean ± sd over seeds):", ""]
-        lines += lr_table(result["lr_sensitivity"])
-    diag = diagnostics_table(result["groups"])
-    if diag:
-        lines += [
-            "",
-            "Per-GEMM diagnostics, output relative error against the high-precision GEMM:",
-            "",
-            *diag,
-        ]
-    if result.get("spikes"):
-        lines += ["", *lr_stress.spikes_markdown(result["spikes"])]
-    return "\n".join(lines) + "\n"
+    stages = [s for s in stages if (s.baseline, s.backend) == (stages[0].baseline, stages[0].backend)]
+    if not stages:
+        return None
+    seen, pooled, arms = set(), [], []
+    for stage in stages:
+        arms += [a for a in stage.arms if a not in arms]
+        for run in analysis.load_runs(stage_root(root, stage)):
+            if (run.rung, run.seed) not in seen:
+                seen.add((run.rung, run.seed))
+                pooled.append(run)
+    seeds = sorted(set().union(*(s.seeds for s in stages)))
+    return stages, pooled, arms, seeds
 
 
-def write(result: dict, out: str) -> list[str]:
-    """OUT.md, OUT.json and the plots (plots.py); returns the paths written."""
-    from fp4jax.study import plots
+def write_claims(plan: Plan, root: str, out: str | None, emit=emit_print) -> dict | None:
+    """The claims' analysis over the pooled from-scratch stages (pooled_scratch_runs) with the first one's
+    baseline, the primary metric of the first gate (else claims.DEFAULT_LAST_K): claims.md, .json and
+    .png; returned, None without such stages or without claims in the plan."""
+    pooled = pooled_scratch_runs(plan, root) if plan.claims is not None else None
+    if pooled is None:
+        return None
+    stages, study_runs, arms, seeds = pooled
+    hypotheses = claims.Hypotheses.from_plan(plan)
+    last_k = next((s.gate["last_evals"] for s in stages if s.gate), claims.DEFAULT_LAST_K)
+    result = claims.analyze(study_runs, stages[0].baseline, arms, last_k, hypotheses, seeds=seeds)
+    write(_base(out, "claims"), claims.to_markdown(result), result, claims_figure(result, hypotheses), emit)
+    return result
 
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".md", "w", encoding="utf-8") as f:
-        f.write(to_markdown(result))
-    write_json(result, out + ".json")
-    return [out + ".md", out + ".json", *plots.plot_all(result, out)]
+
+def claims_figure(result: dict, hypotheses: claims.Hypotheses):
+    """The `draw` of a claims analysis: BASE.png, its forest plot (plots.claims_forest)."""
+
+    def draw(base: str) -> list[str]:
+        plots.claims_forest(result, hypotheses, base + ".png")
+        return [base + ".png"]
+
+    return draw

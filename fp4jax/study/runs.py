@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+from typing import NamedTuple
 
 from fp4jax.training.divergence import LAST_FINITE, non_finite
 from fp4jax.training.errors import DIVERGED_EXIT_CODE as DIVERGED_EXIT
@@ -25,6 +26,7 @@ from fp4jax.training.summary import FINISHED, summary_path  # the trainer's rule
 
 __all__ = [
     "DIVERGED_EXIT",
+    "Eval",
     "FINAL_STATUSES",
     "FINISHED",
     "OLD_STATUSES",
@@ -47,6 +49,16 @@ __all__ = [
     "train_records",
     "write_json",
 ]
+
+
+class Eval(NamedTuple):
+    """One periodic evaluation of a run, the one shape every reader of evaluations uses (a tuple, so it
+    serialises to JSON as [step, tokens, loss])."""
+
+    step: int
+    tokens: int
+    loss: float
+
 
 FINAL_STATUSES = ("reached", "not_reached", "diverged", "failed")
 OLD_STATUSES = {"target_reached": "reached", "budget_exhausted": "not_reached"}
@@ -97,9 +109,14 @@ def read_records(run_dir: str) -> list[dict]:
         return []
 
 
-def evals_from(summary: dict | None, records: list[dict]) -> list[list]:
-    """[[step, sequences, tokens, eval_loss], ...]: the summary's (4 fields) when it has them,
-    else metrics.jsonl's evaluation lines (older summaries list [step, sequences, loss], without tokens)."""
+def evals_from(summary: dict | None, records: list[dict]) -> list[Eval]:
+    """A run's evaluations: the summary's when it lists them with tokens ([step, sequences, tokens,
+    eval_loss]), else metrics.jsonl's evaluation lines (older summaries list [step, sequences, loss])."""
+    return [Eval(e[0], e[2], e[3]) for e in _summary_evals(summary, records)]
+
+
+def _summary_evals(summary: dict | None, records: list[dict]) -> list[list]:
+    """[[step, sequences, tokens, eval_loss], ...] as a run summary lists them (evals_from's source)."""
     evals = (summary or {}).get("evals") or []
     if evals and all(len(e) == 4 for e in evals):
         return [list(e) for e in evals]
@@ -117,6 +134,7 @@ def divergence_from_records(records: list[dict]) -> dict | None:
 
 
 def first_at_or_below(evals: list[list], target: float | None) -> list | None:
+    """The first summary evaluation [step, sequences, tokens, loss] at or below `target` (None without)."""
     return None if target is None else next((e for e in evals if e[3] <= target), None)
 
 
@@ -143,7 +161,7 @@ def derive_summary(
     if diverged and divergence is None:
         divergence = {"kind": None, "step": last["step"] + 1, "value": None}
     step = None if divergence is None else divergence["step"]
-    evals = evals_from(None, records)
+    evals = _summary_evals(None, records)
     hit = first_at_or_below(evals, target) or [None] * 4
     finite = [[r["step"], r["loss"]] for r in train if math.isfinite(r["loss"])]
     if step is not None:

@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import scipy.optimize
+import scipy.sparse.csgraph
 import scipy.stats
 
-from fp4jax.study import analysis
 from fp4jax.training.divergence import DivergenceGuard
 
 __all__ = [
@@ -41,9 +41,8 @@ __all__ = [
     "cells_to_table",
     "contrast",
     "contrast_family",
+    "crossing",
     "fieller",
-    "final_eval_loss",
-    "final_eval_losses",
     "fit_additive",
     "fit_power_law",
     "fit_ratio",
@@ -53,6 +52,8 @@ __all__ = [
     "paired_ratio",
     "paired_t",
     "per_branch_token",
+    "primary_metric",
+    "primary_metrics",
     "t_quantile",
     "tokens_to_target",
     "weights_text",
@@ -127,13 +128,9 @@ def _design(observed: np.ndarray) -> np.ndarray:
 
 
 def _arm_components(observed: np.ndarray) -> np.ndarray:
-    """Per arm, the lowest index of the arms it is connected to through shared blocks (its component)."""
-    linked = observed.astype(int) @ observed.T.astype(int) > 0  # arms sharing a block, itself included
-    while True:
-        closed = linked.astype(int) @ linked.astype(int) > 0
-        if (closed == linked).all():
-            return np.argmax(linked, axis=1)
-        linked = closed
+    """Per arm, a label of the set of arms it is connected to through shared blocks (its component)."""
+    sharing = observed.astype(int) @ observed.T.astype(int) > 0  # arms sharing a block, itself included
+    return scipy.sparse.csgraph.connected_components(sharing, directed=False)[1]
 
 
 def _check_table(y: np.ndarray, arms: Sequence[str], blocks: Sequence[str]) -> None:
@@ -570,20 +567,21 @@ def _extrapolation(curve: PowerLaw, baseline_tokens: np.ndarray) -> str | None:
 # --------------------------------------------------------------------------------------- run metrics
 
 
-def final_eval_loss(evals, last_k: int) -> tuple[float, tuple[int, ...]]:
-    """(mean eval loss of the last k evaluations, their tokens) of one run's (step, tokens, loss) evals."""
+def primary_metric(evals, last_k: int) -> tuple[float, tuple[int, ...]]:
+    """The study's primary metric of one run, the only place it is computed: (the mean eval loss of its
+    last `last_k` evaluations, their tokens), from its runs.Eval records."""
     if last_k < 1 or len(evals) < last_k:
         raise ValueError(f"mean of the last {last_k} evals: the run has {len(evals)} (k must be 1..that)")
     last = evals[-last_k:]
-    return float(np.mean([loss for _, _, loss in last])), tuple(int(tok) for _, tok, _ in last)
+    return float(np.mean([e.loss for e in last])), tuple(int(e.tokens) for e in last)
 
 
-def final_eval_losses(evals_by_run: Mapping, last_k: int) -> tuple[dict, tuple[int, ...]]:
-    """({run: mean of its last k eval losses}, the tokens they share). Raises unless every run's last k
-    evaluations are at the same tokens: a fixed-tokens metric compares runs at the same tokens."""
+def primary_metrics(evals_by_run: Mapping, last_k: int) -> tuple[dict, tuple[int, ...]]:
+    """({run: its primary metric}, the tokens they share). Raises unless every run's last k evaluations
+    are at the same tokens: a fixed-tokens metric compares runs at the same tokens."""
     means, tokens = {}, {}
     for key, evals in evals_by_run.items():
-        means[key], tokens[key] = final_eval_loss(evals, last_k)
+        means[key], tokens[key] = primary_metric(evals, last_k)
     distinct = {}
     for key, toks in tokens.items():
         distinct.setdefault(toks, key)
@@ -595,10 +593,24 @@ def final_eval_losses(evals_by_run: Mapping, last_k: int) -> tuple[dict, tuple[i
     return means, next(iter(distinct), ())
 
 
+def crossing(evals, target: float) -> dict | None:
+    """Interpolated tokens to target of one run's runs.Eval records, linear in tokens between the last
+    evaluation above the target and the first at or below it, with that bracket; None when no evaluation
+    is at or below the target (the first evaluation alone: its tokens, an upper bound)."""
+    for i, (_, t1, l1) in enumerate(evals):
+        if l1 > target:
+            continue
+        if i == 0:
+            return {"tokens": float(t1), "interval": t1, "bracket": None, "first_eval": True}
+        _, t0, l0 = evals[i - 1]
+        tokens = t0 + (l0 - target) / (l0 - l1) * (t1 - t0)
+        return {"tokens": tokens, "interval": t1 - t0, "bracket": [[t0, l0], [t1, l1]], "first_eval": False}
+    return None
+
+
 def tokens_to_target(evals, target: float) -> float | None:
-    """Tokens at which a run's (step, tokens, loss) evals first reach `target`, linear between the bracketing
-    evaluations (analysis.crossing's rule); None when none reaches it."""
-    hit = analysis.crossing(evals, target)
+    """Tokens at which a run's evals first reach `target` (crossing's rule); None when none reaches it."""
+    hit = crossing(evals, target)
     return None if hit is None else hit["tokens"]
 
 

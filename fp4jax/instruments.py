@@ -1,4 +1,6 @@
-"""Mechanism instruments: what one MXFP4 GEMM stage does to a gradient and to the update it drives.
+"""Mechanism instruments: what one MXFP4 GEMM stage does to a gradient and to the update it drives (beside
+gemm_errors, the per-GEMM diagnostics it builds on; its command line is `python -m fp4jax.study
+instruments`, which reads a study run's checkpoints).
 
 Run on a saved checkpoint (params and AdamW state), with ONE GEMM stage in MXFP4 at a time (`stage_recipe`:
 fprop only, dgrad only or wgrad only; the other two GEMMs of every linear layer in bf16), against a bf16
