@@ -203,12 +203,13 @@ def plot_branches(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(points), figsize=(6 * len(points), 4.5), squeeze=False)
     for ax, point in zip(axes[0], points, strict=True):
         xs = [e["tokens"] for e in point["evals"]]
-        for arm in point["evals"][-1]["arms"]:
-            if arm == result["baseline"]:
-                continue
+        arms = [a for a in point["evals"][-1]["arms"] if a != result["baseline"]]
+        for i, arm in enumerate(arms):
             rows = [e["arms"].get(arm) for e in point["evals"]]
             mean = [math.nan if not r or r["mean_difference"] is None else r["mean_difference"] for r in rows]
-            (line,) = ax.plot(xs, mean, label=arm, lw=1.2)
+            # Ten colours in matplotlib's cycle: the next ten arms repeat them dashed, so no two look alike.
+            style = {"color": f"C{i % 10}", "ls": ("-", "--", ":")[i // 10 % 3]}
+            (line,) = ax.plot(xs, mean, label=arm, lw=1.2, **style)
             for x, r in zip(xs, rows, strict=True):
                 for d in (r or {}).get("difference", {}).values():
                     ax.plot(x, d, ".", color=line.get_color(), ms=3, alpha=0.5)
