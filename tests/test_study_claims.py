@@ -4,6 +4,7 @@ by all arms and small independent noise; the contrasts, token overheads and verd
 was planted."""
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -426,3 +427,21 @@ def test_trunk_tokens_refuse_branches_of_different_batch_sizes():
     odd = dataclasses.replace(runs[0], evals=(Eval(11, 12_000_000, 4.0),))
     with pytest.raises(ValueError, match="tokens per update, not one whole number"):
         branch_analysis.trunk_tokens([*runs, odd], TRUNK_STEP)
+
+
+def test_h16_recovery_is_the_planted_share_of_fulls_cost_with_its_interval():
+    """(full - full_h16) / (full - fp8) from the plan's [claims.recovery]: full costs 15 % tokens and
+    full_h16 3 %, so H16 recovers about (log 1.15 - log 1.03) / log 1.15 = 0.79 of full's loss cost (losses
+    here are a power law in tokens, so a loss difference goes as the log of the tokens' stretch). No
+    recovery table in the plan: None, and no line in the report."""
+    result = _study(**WGRAD_DOMINATED, full_sr_prescale=0.15, full_h16=0.03)
+    recovery = result["h16_recovery"]
+    planted = (math.log(1.15) - math.log(1.03)) / math.log(1.15)
+    assert recovery["lo"] < recovery["estimate"] < recovery["hi"]
+    assert recovery["estimate"] == pytest.approx(planted, abs=0.03)
+    assert recovery["lo"] < planted < recovery["hi"]
+    assert recovery["paired"]["n_blocks"] == 3 and recovery["at_8b"] == pytest.approx(18 / 26.5)
+    assert "H16's recovery, (full - full_h16) / (full - fp8)" in claims.to_markdown(result)
+    without = dataclasses.replace(H, recovery=None, recovery_at_8b=None)
+    bare = claims.analyze(_runs({a: 1.0 for a in ARMS}), "fp8", ARMS, last_k=5, h=without)
+    assert bare["h16_recovery"] is None and "H16's recovery" not in claims.to_markdown(bare)

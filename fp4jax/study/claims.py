@@ -66,6 +66,7 @@ TABLE_KEYS = {
     "family_arms", "stabilisers", "margin", "token_band", "contrasts", "reported", "derived", "share",
     "hypotheses",
 }  # fmt: skip
+OPTIONAL_KEYS = {"recovery"}  # H16's recovery (amendment "the scale and batch trend"): reported, no verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +77,11 @@ class Hypotheses:
     it with no verdict; derived: claim (a)'s sums of contrasts (Bonferroni over the family's size);
     family_arms: the arms the family's model is fitted on; claims: {claim: its text}; share: claim (a)'s
     ratio (numerator and denominator weights), the value it must exceed (share_above) and the 8B study's
-    (share_at_8b); stabilisers: claim (b)'s contrasts; margin: (b)'s non-inferiority margin in tokens;
-    token_band: claim (c)'s equivalence band in tokens. The verdict rules (code below) name the
-    contrasts C1, C2, C3, C10 and the sum "C1 - C2 - C3"."""
+    (share_at_8b); recovery: H16's share of full's cost recovered, (full - full_h16) / (full - fp8), as
+    numerator and denominator weights, and the 8B study's value (recovery_at_8b), or None; stabilisers:
+    claim (b)'s contrasts; margin: (b)'s non-inferiority margin in tokens; token_band: claim (c)'s
+    equivalence band in tokens. The verdict rules (code below) name the contrasts C1, C2, C3, C10 and
+    the sum "C1 - C2 - C3"."""
 
     contrasts: dict[str, dict[str, float]]
     reported: dict[str, dict[str, float]]
@@ -88,6 +91,8 @@ class Hypotheses:
     share: tuple[dict[str, float], dict[str, float]]
     share_above: float
     share_at_8b: float
+    recovery: tuple[dict[str, float], dict[str, float]] | None
+    recovery_at_8b: float | None
     stabilisers: tuple[str, ...]
     margin: float
     token_band: float
@@ -98,10 +103,14 @@ class Hypotheses:
         table = plan.claims
         if table is None:
             raise ValueError(f"plan {plan.path} has no [claims] table (or claims_from): no claims to test")
-        if set(table) != TABLE_KEYS:
+        if not TABLE_KEYS <= set(table) <= TABLE_KEYS | OPTIONAL_KEYS:
             raise ValueError(
-                f"plan {plan.path}: [claims] needs exactly {sorted(TABLE_KEYS)}, not {sorted(table)}"
+                f"plan {plan.path}: [claims] needs {sorted(TABLE_KEYS)} (optional: {sorted(OPTIONAL_KEYS)}), "
+                f"not {sorted(table)}"
             )
+        recovery = table.get("recovery")
+        if recovery is not None and set(recovery) != {"numerator", "denominator", "at_8b"}:
+            raise ValueError(f"plan {plan.path}: [claims.recovery] is numerator, denominator, at_8b")
         share = table["share"]
         if set(share) != {"numerator", "denominator", "above", "at_8b"}:
             raise ValueError(f"plan {plan.path}: [claims.share] is numerator, denominator, above, at_8b")
@@ -118,10 +127,18 @@ class Hypotheses:
             share=(dict(share["numerator"]), dict(share["denominator"])),
             share_above=float(share["above"]),
             share_at_8b=float(share["at_8b"]),
+            recovery=None
+            if recovery is None
+            else (dict(recovery["numerator"]), dict(recovery["denominator"])),  # fmt: skip
+            recovery_at_8b=None if recovery is None else float(recovery["at_8b"]),
             stabilisers=tuple(table["stabilisers"]),
             margin=float(table["margin"]),
             token_band=float(table["token_band"]),
         )
+
+
+def _ratio_weights(table: dict | None) -> tuple[dict[str, float], dict[str, float]] | None:
+    return None if table is None else (dict(table["numerator"]), dict(table["denominator"]))
 
 
 def _weights(table: dict) -> dict[str, dict[str, float]]:
@@ -234,6 +251,7 @@ def analyze(
         "reported": [finish(r) for r in reported],
         "derived": [finish(r) for r in derived],
         "wgrad_share": _wgrad_share(fit, table, h),
+        "h16_recovery": _h16_recovery(fit, table, h),
         "secondary": _secondary(study_runs, baseline, family_arms, h),
         "not_in_design": [n for n, w in h.contrasts.items() if not set(w) <= set(arms)],
         "not_estimable": [n for n, w in h.contrasts.items() if n not in estimable and set(w) <= set(arms)],
@@ -295,22 +313,37 @@ def _decision(row: dict) -> tuple[bool, bool]:
     return bool(reject), bool(reject and row["estimate"] > 0)
 
 
-def _wgrad_share(fit: stats.AdditiveFit, table, h: Hypotheses) -> dict | None:
-    """Wgrad's share of full's cost, C1 / (full - fp8), with Fieller's interval from the pooled fit and,
-    under "paired", from the blocks where full, fprop_dgrad and fp8 all ended (None with fewer than 2);
-    None when an arm is missing or the fit has no residual df."""
-    num, den = h.share
+def _ratio(fit: stats.AdditiveFit, table, num: dict, den: dict) -> dict | None:
+    """num / den of two contrasts with Fieller's interval from the pooled fit and, under "paired", from the
+    blocks where every arm of either ended (None with fewer than 2); None when an arm is missing or the fit
+    has no residual df."""
     y, arms, blocks = table
-    if not (set(num) | set(den)) <= set(fit.arms) or fit.df == 0:
+    needed = sorted(set(num) | set(den))
+    if not set(needed) <= set(fit.arms) or fit.df == 0:
         return None
-    share = stats.fit_ratio(fit, num, den)
-    rows = [arms.index(a) for a in ("full", "fprop_dgrad", "fp8")]
+    ratio = stats.fit_ratio(fit, num, den)
+    rows = [arms.index(a) for a in needed]
     complete = ~np.isnan(y[rows]).any(axis=0)
     sub = (y[:, complete], arms, [b for b, keep in zip(blocks, complete, strict=True) if keep])
     paired = None
     if complete.sum() >= 2:
         paired = stats.paired_ratio(stats.block_values(*sub, num)[0], stats.block_values(*sub, den)[0])
-    return {**share, "paired": paired, "claimed_above": h.share_above, "at_8b": h.share_at_8b}
+    return {**ratio, "paired": paired}
+
+
+def _wgrad_share(fit: stats.AdditiveFit, table, h: Hypotheses) -> dict | None:
+    """Wgrad's share of full's cost, C1 / (full - fp8) (claim (a)'s primary test), as `_ratio`."""
+    share = _ratio(fit, table, *h.share)
+    return None if share is None else {**share, "claimed_above": h.share_above, "at_8b": h.share_at_8b}
+
+
+def _h16_recovery(fit: stats.AdditiveFit, table, h: Hypotheses) -> dict | None:
+    """The share of full's cost that H16 recovers, (full - full_h16) / (full - fp8), as `_ratio` (no
+    verdict: the scale trend's second measure); None where the plan names no recovery."""
+    if h.recovery is None:
+        return None
+    recovery = _ratio(fit, table, *h.recovery)
+    return None if recovery is None else {**recovery, "at_8b": h.recovery_at_8b}
 
 
 def _secondary(study_runs, baseline: str, family_arms: list[str], h: Hypotheses) -> dict | None:
@@ -660,6 +693,18 @@ def _share_lines(share: dict | None) -> list[str]:
     ]
 
 
+def _recovery_lines(recovery: dict | None) -> list[str]:
+    if recovery is None:
+        return []
+    paired = "-" if recovery["paired"] is None else share_text(recovery["paired"])
+    return [
+        "",
+        "H16's recovery, (full - full_h16) / (full - fp8) with Fieller's 95 % interval (no verdict; the "
+        f"scale trend's measure): pooled {share_text(recovery)}; paired t {paired}. The study's 8B figures "
+        f"give about {recovery['at_8b']:.2f}.",
+    ]
+
+
 def _verdict_cell(verdict: dict) -> str:
     return f"{verdict['verdict']}: {verdict['why']}"
 
@@ -707,6 +752,7 @@ def to_markdown(result: dict) -> str:
         title = f"Claim (a)'s sums of contrasts, outside the family, judged by Bonferroni over its {m}:"
         lines += ["", title, "", *_head("sum", branch), *(_row(r, "p_bonferroni") for r in result["derived"])]
     lines += _share_lines(result.get("wgrad_share"))
+    lines += _recovery_lines(result.get("h16_recovery"))
     if result["not_estimable"]:
         lines.append(f"\nNot estimable yet: {', '.join(result['not_estimable'])}.")
     if result["not_in_design"]:
