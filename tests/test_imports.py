@@ -127,6 +127,7 @@ STUDY_LAYERS = (
     ("reuse", "progress", "schedule"),
     ("claims", "lr_stress", "branch_analysis"),
     ("tables", "plots", "report"),
+    ("trend",),
     ("scratch", "branching"),
     ("designs",),
     ("__main__",),

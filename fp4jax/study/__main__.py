@@ -1,7 +1,8 @@
-"""python -m fp4jax.study run|report|instruments|records: the study's plan file run within a GPU-time
+"""python -m fp4jax.study run|report|instruments|records|trend: the study's plan file run within a GPU-time
 budget per call (fp4jax.study.schedule), its report regenerated from whatever runs exist
 (fp4jax.study.report), the mechanism instruments on a run's checkpoints (fp4jax.instruments), and the
-runs' records packed into or unpacked from records/ (fp4jax.study.records). This module only parses
+runs' records packed into or unpacked from records/ (fp4jax.study.records), and the scale trend across
+settings' claims reports (fp4jax.study.trend). This module only parses
 arguments and calls those.
 
     python -m fp4jax.study run --plan fp4jax/study/plans/proxy125m.toml --root runs/study \
@@ -31,7 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fp4jax.study import designs, records, report, schedule
+from fp4jax.study import designs, records, report, schedule, trend
 from fp4jax.study.command import run_command
 
 
@@ -91,6 +92,10 @@ def cmd_records(args) -> None:
     print(f"unpacked {len(files)} files of {args.records} under {args.root}")
 
 
+def cmd_trend(args) -> None:
+    trend.write_trend(args.settings, args.out)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -138,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     rec_p.add_argument("records", help="the records directory (records/<study>)")
     rec_p.add_argument("--root", required=True, help="the runs' root (pack reads it, unpack fills it)")
     rec_p.add_argument("--stage", action="append", default=[], help="pack only this stage (repeatable)")
+    trend_p = sub.add_parser(
+        "trend", help="Wgrad's share and H16's recovery across settings (scale_trend)", allow_abbrev=False
+    )
+    trend_p.add_argument("--settings", required=True, help="a settings file (plans/scale_trend.toml)")
+    trend_p.add_argument("--out", default=None, help="directory for scale_trend.md/.json/.png")
     for p in (run_p, rep_p):
         p.add_argument("--plan", required=True, help="a plan file (fp4jax/study/plans/*.toml)")
         p.add_argument("--root", required=True, help="the runs' root directory")
@@ -146,7 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"run": cmd_run, "report": cmd_report, "instruments": cmd_instruments, "records": cmd_records}
+    commands = {
+        "run": cmd_run,
+        "report": cmd_report,
+        "instruments": cmd_instruments,
+        "records": cmd_records,
+        "trend": cmd_trend,
+    }
     return run_command(lambda: commands[args.command](args), "study")
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "plot_lr",
     "plot_lr_series",
     "plot_overhead",
+    "plot_trend",
 ]
 
 
@@ -328,3 +329,49 @@ def plot_all(result: dict, out: str) -> list[str]:
         paths.append(out + "_diagnostics.png")
         plot_diagnostics(result, paths[-1])
     return paths
+
+
+def plot_trend(result: dict, path: str) -> str:
+    """The scale trend (study.trend): Wgrad's share and H16's recovery against parameters, one colour per
+    tokens per step, pooled Fieller intervals as bars (an unbounded one as an open marker), the
+    references as stars; returns the path."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    points = result["settings"] + [
+        {**ref, "label": name, "reference": True} for name, ref in result["references"].items()
+    ]
+    batches = sorted({p["tokens_per_step"] for p in points})
+    colour = {b: f"C{i % 10}" for i, b in enumerate(batches)}
+    titles = {"wgrad_share": "Wgrad's share of full's cost", "h16_recovery": "H16's recovery of full's cost"}
+    for ax, measure in zip(axes, titles, strict=True):
+        for p in points:
+            value, c = p.get(measure), colour[p["tokens_per_step"]]
+            if value is None:
+                continue
+            if p.get("reference"):
+                ax.plot(p["params"], value, "*", ms=14, color=c)
+                ax.annotate(
+                    p["label"], (p["params"], value), xytext=(6, 6), textcoords="offset points", fontsize=7
+                )
+                continue
+            bounded = value["lo"] is not None
+            err = [[value["estimate"] - value["lo"]], [value["hi"] - value["estimate"]]] if bounded else None
+            face = c if bounded else "none"
+            ax.errorbar(p["params"], value["estimate"], yerr=err, fmt="o", color=c, mfc=face, capsize=4)
+        for p in result["settings"]:  # settings planned but not run: a grey mark on the axis
+            if p["status"] == "not run":
+                ax.plot(p["params"], 0, "|", ms=14, color="0.6", transform=ax.get_xaxis_transform())
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set(xscale="log", xlabel="parameters (grey: planned, not run)", title=titles[measure])
+        ticks = [1e8, 3e8, 1e9, 3e9, 1e10]
+        ax.set_xticks(ticks, ["100M", "300M", "1B", "3B", "10B"])
+        ax.set_xticks([], minor=True)
+        ax.set_xlim(8e7, 1.5e10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share (pooled Fieller 95 %)")
+    for b in batches:
+        axes[1].plot([], [], "o", color=colour[b], label=f"{b:,} tokens / step")
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    save_png(fig, path, dpi=120)
+    return path
