@@ -87,6 +87,10 @@ def _check_fp8(spec) -> None:
         raise ValueError("fp8 per-tensor operands round half-to-even only")
 
 
+def _check_mx(spec) -> None:
+    quantize.check_oas_elem(spec.scale_mode, spec.elem)
+
+
 def _check_nvfp4(spec) -> None:
     if spec.elem != "e2m1":
         raise ValueError(f"NVFP4 elements are E2M1: drop elem={spec.elem!r} (or use kind='mx' for it)")
@@ -108,7 +112,9 @@ def _check_nvfp4(spec) -> None:
 
 KINDS: dict[str, QuantKind] = {
     "none": QuantKind("none", lambda x, spec, key, fp8_scale: x),
-    "mx": QuantKind("mx", _quantize_mx, quantize.MXArray, blocked=True, prescale=True, fused=True),
+    "mx": QuantKind(
+        "mx", _quantize_mx, quantize.MXArray, blocked=True, prescale=True, fused=True, check=_check_mx
+    ),
     "fp8": QuantKind(
         "fp8", _quantize_fp8, quantize.FP8Array, per_tensor=True, delayed_scaling=True, check=_check_fp8
     ),
