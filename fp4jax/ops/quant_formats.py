@@ -26,7 +26,12 @@ from typing import Any
 from fp4jax.ops import nvfp4, quantize
 from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_ROUNDING_MODES
 
-__all__ = ["FORMATS", "KINDS", "QuantFormat", "QuantKind", "format_of"]
+# NVFP4's block-scale rules, as QuantSpec.scale_mode names them, and quantize_nvfp4's four_over_six for
+# each: "floor" (QuantSpec's default) is the standard rule, the block maximum scaled to 6 (Transformer
+# Engine's); the "4over6_" rules choose per block between scaling it to 6 or to 4 by the named error.
+NVFP4_SCALE_MODES = {"floor": None, "4over6_mse": "mse", "4over6_mae": "mae"}
+
+__all__ = ["FORMATS", "KINDS", "NVFP4_SCALE_MODES", "SCALE_MODES", "QuantFormat", "QuantKind", "format_of"]
 
 
 def _no_checks(spec) -> None:
@@ -73,7 +78,13 @@ def _quantize_nvfp4(x, spec, key, fp8_scale):
             f"its free axis has {x.shape[-2]}: pad the layer's features or use 1D blocks (block_2d=False)"
         )
     return nvfp4.quantize_nvfp4(
-        x, axis=-1, block_2d=spec.block_2d, block_size=spec.block_size, rounding=spec.rounding, key=key
+        x,
+        axis=-1,
+        block_2d=spec.block_2d,
+        block_size=spec.block_size,
+        rounding=spec.rounding,
+        key=key,
+        four_over_six=NVFP4_SCALE_MODES[spec.scale_mode],
     )
 
 
@@ -88,6 +99,11 @@ def _check_fp8(spec) -> None:
 
 
 def _check_mx(spec) -> None:
+    if spec.scale_mode not in quantize.SCALE_MODES:
+        raise ValueError(
+            f"scale_mode={spec.scale_mode!r} is an NVFP4 block-scale rule; MX scales take "
+            f"{', '.join(quantize.SCALE_MODES)}: choose one of them (or kind='nvfp4')"
+        )
     quantize.check_oas_elem(spec.scale_mode, spec.elem)
 
 
@@ -103,12 +119,21 @@ def _check_nvfp4(spec) -> None:
         raise ValueError(
             f"NVFP4 rounds {' or '.join(NVFP4_ROUNDING_MODES)}, not {spec.rounding!r}: choose one of them"
         )
-    if spec.scale_mode != "floor":
+    if spec.scale_mode not in NVFP4_SCALE_MODES:
         raise ValueError(
             f"scale_mode={spec.scale_mode!r} is an MX scale rule; NVFP4 block scales are E4M3 under a "
-            "per-tensor scale (docs/numerics.md): drop scale_mode"
+            f"per-tensor scale (docs/numerics.md): drop scale_mode or choose {', '.join(NVFP4_SCALE_MODES)}"
+        )
+    if NVFP4_SCALE_MODES[spec.scale_mode] is not None and spec.rounding != "nearest_even":
+        raise ValueError(
+            f"scale_mode={spec.scale_mode!r} (Four-over-Six) chooses between two round-to-nearest "
+            "encodings: use rounding='nearest_even' for it, or scale_mode='floor' with stochastic rounding"
         )
 
+
+# Every scale_mode some kind takes (QuantSpec checks a value against this; each kind's check refuses
+# the ones it does not take, saying whose they are).
+SCALE_MODES = (*quantize.SCALE_MODES, *(m for m in NVFP4_SCALE_MODES if m not in quantize.SCALE_MODES))
 
 KINDS: dict[str, QuantKind] = {
     "none": QuantKind("none", lambda x, spec, key, fp8_scale: x),

@@ -20,8 +20,8 @@ from typing import Any
 
 from fp4jax.ops import quant_formats
 from fp4jax.ops.formats import ALL_ELEM_FORMATS, require_power_of_two
-from fp4jax.ops.quant_formats import KINDS, QuantFormat, QuantKind
-from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
+from fp4jax.ops.quant_formats import KINDS, SCALE_MODES, QuantFormat, QuantKind
+from fp4jax.ops.quantize import ROUNDING_MODES
 from fp4jax.ops.rotation import rotate_blocks
 
 __all__ = [
