@@ -20,8 +20,16 @@ from typing import Any
 
 from fp4jax.ops import quant_formats
 from fp4jax.ops.formats import ALL_ELEM_FORMATS, require_power_of_two
-from fp4jax.ops.quant_formats import KINDS, SCALE_MODES, QuantFormat, QuantKind
-from fp4jax.ops.quantize import ROUNDING_MODES
+from fp4jax.ops.ms_eden import MS_EDEN_GROUP
+from fp4jax.ops.quant_formats import (
+    KINDS,
+    MS_EDEN,
+    RANDOM_ROUNDINGS,
+    ROUNDINGS,
+    SCALE_MODES,
+    QuantFormat,
+    QuantKind,
+)
 from fp4jax.ops.rotation import rotate_blocks
 
 __all__ = [
@@ -157,7 +165,7 @@ class QuantSpec:
             object.__setattr__(self, "block_size", self.quant_kind.default_block_size)
         _check_choice(self.elem, tuple(ALL_ELEM_FORMATS), "element format")
         _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
-        _check_choice(self.rounding, ROUNDING_MODES, "rounding")
+        _check_choice(self.rounding, ROUNDINGS, "rounding")
         _check_choice(self.fp8_scaling, FP8_SCALINGS, "fp8_scaling")
         require_power_of_two(self.block_size, "block_size")
         if not 0 < self.prescale <= 1:
@@ -192,7 +200,7 @@ class QuantSpec:
 
     @property
     def needs_key(self) -> bool:
-        return self.blocked and self.rounding == "stochastic"
+        return self.blocked and self.rounding in RANDOM_ROUNDINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +249,16 @@ class GemmSpec:
     lhs: QuantSpec = QuantSpec()
     rhs: QuantSpec = QuantSpec()
     rotation: RotationSpec = RotationSpec()
+
+    def __post_init__(self):
+        # MS-EDEN's correction is unbiased over a random rotation of its group: it needs one, per call.
+        eden = MS_EDEN in (self.lhs.rounding, self.rhs.rounding)
+        wanted = RotationSpec(kind="random", size=MS_EDEN_GROUP, signs="per_call")
+        if eden and dataclasses.replace(self.rotation, seed=0) != wanted:
+            raise ValueError(
+                f"rounding='ms_eden' corrects groups of {MS_EDEN_GROUP} rotated by random signs per call: "
+                f"give its GEMM RotationSpec(kind='random', size={MS_EDEN_GROUP}), not {self.rotation}"
+            )
 
     @property
     def needs_key(self) -> bool:
