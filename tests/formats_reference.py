@@ -112,3 +112,104 @@ def rotate(x: np.ndarray, size: int, signs=None) -> np.ndarray:
     """Blocks of `size` along the last axis times diag(signs) H_size, exactly in float64
     (mx_reference.rotate_blocks), then float32."""
     return rotate_blocks(x, axis=-1, size=size, signs=signs).astype(F32)
+
+
+def quantize_nvfp4_4over6(x, tile_rows: int = 1, measure: str = "mse") -> RefNVFP4:
+    """Four-over-Six (Cook et al., arXiv 2512.02010) as Transformer Engine's nvfp4_4over6 computes it
+    (transformer_engine/common/cast/nvfp4/quantize_4over6_nvfp4.cuh and the Python reference
+    pytorch/custom_recipes/reference_nvfp4.py, _quantize_blockwise_4over6_reference), written again here:
+    S_enc = 256 * 6 / amax; base = amax_b / 6 * S_enc; the map-to-6 scale E4M3(min(base, 448)) and the
+    map-to-4 scale E4M3(min(1.5 base, 448)); each candidate encoded to nearest even as the standard rule
+    encodes; its error sum over a block row, in element order, of |v - x| ("mae") or (v - x)^2 ("mse")
+    with v = ((q * s_b) * amax) / (6 * 256); a 16 x 16 tile adds its rows' errors as a halving tree; the
+    map-to-4 candidate where its error is strictly smaller. float32 throughout, flushed to zero."""
+    x = np.asarray(x, F32)
+    *lead, f, c = x.shape
+    tiles = x.reshape(*lead, f // tile_rows, tile_rows, c // NVFP4_BLOCK, NVFP4_BLOCK)
+    axes = (-3, -1)
+    finite = np.isfinite(tiles)
+    healthy = np.all(finite, axis=axes, keepdims=True)
+    xs = flush(np.where(finite, tiles, F32(0)))
+    amax = F32(np.max(np.abs(xs)))
+    candidates = []
+    with np.errstate(over="ignore", divide="ignore"):
+        s_enc = F32(1.0) if amax == 0 else min(F32(6.0 * 256.0) / amax, FLT_MAX)
+        s_dec = flush(F32(1.0) / s_enc)[()]
+        base = flush(flush(np.max(np.abs(xs), axis=axes, keepdims=True) / F32(6.0)) * s_enc)
+        for expand in (None, F32(1.5)):
+            target = base if expand is None else flush(base * expand)
+            s_b = round_on(np.minimum(target, F32(448.0)), E4M3).astype(F32)
+            e_b = np.minimum(F32(1.0) / flush(s_b * s_dec), FLT_MAX)
+            y = np.minimum(np.abs(flush(xs * e_b)), F32(6.0))
+            q = np.copysign(round_on(y, E2M1), xs).astype(F32)
+            value = flush(flush(flush(q * s_b) * amax) / F32(6.0 * 256.0))
+            diff = flush(value - xs)
+            per_element = np.abs(diff) if measure == "mae" else flush(diff * diff)
+            error = per_element[..., 0]
+            for i in range(1, NVFP4_BLOCK):
+                error = flush(error + per_element[..., i])
+            while error.shape[-2] > 1:  # a tile's rows (tile_rows 16) as a tree; 1D blocks skip this
+                half = error.shape[-2] // 2
+                error = flush(error[..., :half, :] + error[..., half:, :])
+            candidates.append((s_b, q, error[..., None]))
+    (s6, q6, err6), (s4, q4, err4) = candidates
+    pick4 = err4 < err6
+    s_b, q = np.where(pick4, s4, s6), np.where(pick4, q4, q6)
+    values = np.where(healthy, q.astype(np.float64) * s_b.astype(np.float64), np.nan)
+    scales = np.where(healthy, s_b.astype(np.float64), np.nan)[..., 0, :, 0]
+    y = np.zeros(x.shape)  # not defined for two candidates
+    return RefNVFP4(values.reshape(x.shape), scales, s_enc, s_dec, y)
+
+
+MS_EDEN_VAL_MAX = F32(6.0 / ((17 / 16) * 0.93))  # Quartet II's backward_scale_override and val_max
+
+
+def _e2m1_nearest_away(y: np.ndarray) -> np.ndarray:
+    """|q| from |x_s| by Quartet II's kernel's thresholds (ties away from zero, saturating at 6)."""
+    out = np.zeros(y.shape)
+    for threshold, value in ((0.25, 0.5), (0.75, 1), (1.25, 1.5), (1.75, 2), (2.5, 3), (3.5, 4), (5, 6)):
+        out = np.where(y >= threshold, value, out)
+    return out
+
+
+def _halving_sum(v: np.ndarray) -> np.ndarray:
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = flush(v[..., :half] + v[..., half:])
+    return v[..., 0]
+
+
+def quantize_ms_eden(x, bits: np.ndarray, group: int = 128) -> RefNVFP4:
+    """MS-EDEN (Quartet II, arXiv 2601.22813; its kernel eden_1x16s_fp4_kernel in IST-DASLab/Quartet-II,
+    src/models/quantization/schemes/quartet_2.py) of x (..., C), already rotated, along C, as
+    docs/numerics.md states it: float32, flushed to zero; S_enc = 255.99 * val_max / amax; s_b =
+    E4M3(amax_b / val_max * S_enc), 1 where 0; x_s = x * (1 / (s_b S_dec)); |q| by the kernel's
+    thresholds; per group of `group`, S = sum x_s^2 / sum x_s q (halving trees; 1 where the denominator
+    is 0); the scale s_b * S rounded stochastically onto E4M3 with u = the top 24 of its block's `bits`
+    (uint32, one per block, in the blocks' order). Also returns the corrected scales s_b * S (float64, one
+    per block), the value whose stochastic rounding the scale is: (RefNVFP4, corrected)."""
+    x = np.asarray(x, F32)
+    *lead, c = x.shape
+    blocks = x.reshape(*lead, c // group, group // NVFP4_BLOCK, NVFP4_BLOCK)
+    finite = np.isfinite(blocks)
+    healthy = np.all(finite, axis=-1, keepdims=True)
+    xs = flush(np.where(finite, blocks, F32(0)))
+    amax = F32(np.max(np.abs(xs)))
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        s_enc = F32(1.0) if amax == 0 else min((F32(255.99) * MS_EDEN_VAL_MAX) / amax, FLT_MAX)
+        s_dec = flush(F32(1.0) / s_enc)[()]
+        amax_b = np.max(np.abs(xs), axis=-1, keepdims=True)
+        s_b = round_on(np.minimum(flush(flush(amax_b / MS_EDEN_VAL_MAX) * s_enc), F32(448)), E4M3).astype(F32)
+        s_b = np.where(s_b == 0, F32(1.0), s_b)
+        e_b = np.minimum(F32(1.0) / flush(s_b * s_dec), FLT_MAX)
+        scaled = flush(xs * e_b)
+        q = np.copysign(_e2m1_nearest_away(np.abs(scaled)), scaled).astype(F32)
+        numerator = _halving_sum(flush(scaled * scaled).reshape(*lead, c // group, group))
+        denominator = _halving_sum(flush(scaled * q).reshape(*lead, c // group, group))
+        correction = np.where(denominator == 0, F32(1.0), flush(numerator / denominator)).astype(F32)
+    corrected = flush(s_b[..., 0] * correction[..., None])
+    scale = round_on(corrected, E4M3, np.asarray(bits, np.uint32).reshape(corrected.shape))
+    values = np.where(healthy, q.astype(np.float64) * scale[..., None], np.nan)
+    scales = np.where(healthy[..., 0], scale, np.nan).reshape(*lead, c // NVFP4_BLOCK)
+    ref = RefNVFP4(values.reshape(x.shape), scales, s_enc, s_dec, np.zeros(x.shape))
+    return ref, corrected.astype(np.float64).reshape(scales.shape)

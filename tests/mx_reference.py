@@ -165,10 +165,35 @@ def floor_log2(v: float) -> int:
     return ex - 1
 
 
+# qwix's Outlier-Aware Scaling, transcribed from google/qwix commit 901efed (qwix/_src/core/qarray.py,
+# compute_scale_zero_point): scale = absmax / qmax; scale < sqrt(tiny) -> 1; then for 'mxfp4' (E2M1,
+# qmax 6) c = 12 / 7, for 'mxfp8' (E4M3, qmax 448) c = 60 / 31; scale_bf16 = (scale * c).astype(bfloat16);
+# scale = (scale_bf16.view(int16) & 0x7F80).view(bfloat16). Here in numpy float32 (IEEE, subnormals kept)
+# and ml_dtypes' bfloat16 cast.
+QWIX_OAS_C = {"e2m1": 12.0 / 7.0, "e4m3": 60.0 / 31.0}
+
+
+def qwix_oas_scale(absmax: np.ndarray, elem: str) -> np.ndarray:
+    """qwix's OAS block scale (a power of two, as float32) for float32 block maxima."""
+    absmax = np.asarray(absmax, np.float32)
+    scale = absmax / np.float32(ELEMS[elem].max)
+    tiny_sqrt = np.sqrt(np.finfo(np.float32).tiny)
+    scale = np.where(scale < tiny_sqrt, np.float32(1.0), scale).astype(np.float32)
+    scale_bf16 = (scale * np.float32(QWIX_OAS_C[elem])).astype(ml_dtypes.bfloat16)
+    return (scale_bf16.view(np.int16) & 0x7F80).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _oas_exponents(amax: np.ndarray, elem: str) -> np.ndarray:
+    _, ex = np.frexp(qwix_oas_scale(amax, elem).astype(np.float64))  # scale = 2^(ex - 1) exactly
+    return np.clip(ex.astype(np.int64) - 1, -127, 127)
+
+
 def scale_exponent(amax: float, elem: str, scale_mode: str) -> int:
     """The clamped block exponent for a finite block absolute maximum `amax` (a float32 value)."""
     f = ELEMS[elem]
     amax = float(np.float32(amax))
+    if scale_mode == "oas":  # qwix's rule, which gives an all-zero block the scale 1
+        return int(_oas_exponents(np.float32(amax), elem))
     if amax == 0.0:
         return -127
     fa = Fraction(amax)
@@ -194,6 +219,8 @@ def scale_exponent(amax: float, elem: str, scale_mode: str) -> int:
 
 def scale_exponents(amax: np.ndarray, elem: str, scale_mode: str) -> np.ndarray:
     """Vectorised `scale_exponent` (same rules through frexp; cross-checked against it in the tests)."""
+    if scale_mode == "oas":
+        return _oas_exponents(amax, elem)
     f = ELEMS[elem]
     a = np.asarray(amax, np.float32).astype(np.float64)
     sig, ex = np.frexp(a)  # a = sig 2^ex, sig in [0.5, 1)

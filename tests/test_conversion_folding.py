@@ -231,7 +231,7 @@ def _written_and_off_divided(f, *args):
     return _evaluated(f, *args), _evaluated(f, *args, divide=divide_off_by(1))
 
 
-@long_lane.parametrize("name", ["nvfp4_full", "nvfp4_nvidia"])
+@long_lane.parametrize("name", ["nvfp4_full", "nvfp4_nvidia", "nvfp4_4over6", "nvfp4_quartet2"])
 def test_nvfp4_does_not_depend_on_the_divides_rounding(name):
     """NVFP4's scales are quotients; they must be IEEE's on every back end (formats.divide_nearest_even)."""
     x, w, dy = _operands()

@@ -100,6 +100,10 @@ CONTRACT = {
         "wgrad": (MX4, MX4_SR, ("random", 16, "per_run")),  # (x, dy)
     },
     "mxfp8": _full(MX8),
+    # qwix's Outlier-Aware Scaling on the full rung (the reference transcribes qwix's rule).
+    "mxfp4_full_oas": _full(dataclasses.replace(MX4, scale_mode="oas")),
+    # The MLPerf v6.0 MI355X recipe: MXFP4 behind H16 on all GEMMs, full_h16's definition under its name.
+    "mxfp4_mlperf_mi355x": _full(MX4, ("deterministic", 16)),
 }
 for _name, _op in (("mxfp6_e2m3", MX6_E2M3), ("mxfp6_e3m2", MX6_E3M2)):  # the ladder's rungs per format
     CONTRACT[f"{_name}_fprop"] = {**_FP8, "fprop": (_op, _op, None)}
@@ -263,7 +267,10 @@ def test_preset_names():
     """Every preset is in this contract table, but the NVFP4 ones: tests/test_formats_nvfp4_gemm.py holds
     those to their own reference (tests/formats_reference.py)."""
     nvfp4 = {n for n, r in PRESETS.items() if any(s.kind == "nvfp4" for g in r.gemms for s in (g.lhs, g.rhs))}
-    assert nvfp4 == {"nvfp4_fprop", "nvfp4_fprop_dgrad", "nvfp4_full", "nvfp4_full_h16", "nvfp4_nvidia"}
+    assert nvfp4 == {
+        *("nvfp4_fprop", "nvfp4_fprop_dgrad", "nvfp4_full", "nvfp4_full_h16", "nvfp4_nvidia"),
+        *("nvfp4_nvidia_12b", "nvfp4_nvidia_8b", "nvfp4_4over6", "nvfp4_quartet2"),
+    }
     assert set(PRESETS) - nvfp4 == set(CONTRACT)
 
 

@@ -586,3 +586,94 @@ def test_fp8_amax_history():
     for v in (1.0, 2.0, 3.0, 4.0):
         h = upd(h, jnp.full((2, 2), v))
     np.testing.assert_array_equal(np.asarray(h), [4.0, 3.0, 2.0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# qwix's Outlier-Aware Scaling (scale_mode "oas"), bit for bit against its rule transcribed in the reference.
+
+OAS_ELEMS = tuple(ref.QWIX_OAS_C)
+
+
+def _oas_cases(rng: np.random.Generator, elem: str) -> np.ndarray:
+    """_block_cases plus blocks at OAS's own edges: block maxima on both sides of every point where
+    amax / max * C crosses a binade before and after its bfloat16 rounding, and around qwix's tiny-scale
+    guard (amax / max = 2^-63)."""
+    f32 = np.float32
+    emax_val = ref.ELEMS[elem].max
+    c = ref.QWIX_OAS_C[elem]
+    rows = [_block_cases(rng, 32, elem)]
+    edges = []
+    for p in (-60, -9, 0, 1, 7, 90):
+        crossing = f32(emax_val / c * 2.0**p)  # amax whose exact scale * C is 2^p
+        for k in range(-300, 301, 25):  # inside and beyond bfloat16's half-ulp below the binade
+            edges.append(f32(crossing * (1 + k * 2.0**-16)))
+        edges += [np.nextafter(crossing, f32(0)), crossing, np.nextafter(crossing, f32(np.inf))]
+    guard = f32(emax_val * 2.0**-63)
+    edges += [np.nextafter(guard, f32(0)), guard, np.nextafter(guard, f32(np.inf)), f32(2.0**-70)]
+    block = np.zeros((len(edges), 32), np.float32)
+    for i, a in enumerate(edges):
+        block[i] = (rng.uniform(-1, 1, 32) * a).astype(np.float32)
+        block[i, rng.integers(32)] = a
+    rows.append(block)
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("rounding", ("nearest_even", "stochastic"))
+@pytest.mark.parametrize("elem", OAS_ELEMS)
+def test_quantize_mx_oas_matches_qwix_rule(elem, rounding):
+    rng = np.random.default_rng([OAS_ELEMS.index(elem), rounding == "stochastic"])
+    x = _oas_cases(rng, elem)
+    kw = dict(axis=-1, elem=elem, block_size=32, scale_mode="oas")
+    key = jax.random.key(3)
+    if rounding == "stochastic":
+        bits = np.asarray(jax.random.bits(key, (x.shape[0], 1, 32), jnp.uint32)).reshape(x.shape)
+        r = ref.quantize_mx(x, **kw, rounding=rounding, uniforms=(bits >> 8) * 2.0**-24)
+        mx = _qmx_jit(jnp.asarray(x), **kw, rounding=rounding, key=key)
+    else:
+        r = ref.quantize_mx(x, **kw, rounding=rounding)
+        mx = _qmx_jit(jnp.asarray(x), **kw, rounding=rounding)
+    _assert_mx_matches(mx, r, x, f"{elem}/oas/{rounding}")
+
+
+def test_oas_reference_reproduces_qwix_own_test_values():
+    """qwix's test_compute_scale_zero_point_mxfp_oas_bias (same commit): scales 1, 2 for block maxima
+    6.5, 7.5 (mxfp4) and 460, 465 (mxfp8); and the implementation's exponents agree."""
+    for elem, values in (("e2m1", [6.5, 7.5]), ("e4m3", [460.0, 465.0])):
+        np.testing.assert_array_equal(ref.qwix_oas_scale(np.array(values, np.float32), elem), [1.0, 2.0])
+        x = np.zeros((2, 32), np.float32)
+        x[:, 0] = values
+        mx = _qmx_jit(jnp.asarray(x), axis=-1, elem=elem, block_size=32, scale_mode="oas")
+        np.testing.assert_array_equal(np.asarray(mx.scale_exponent())[:, 0], [0, 1])
+
+
+def test_oas_differs_from_even_where_bfloat16_rounds_up():
+    """For E2M1 the exact OAS threshold (amax = 7 * 2^k) is the even rule's; qwix's bfloat16 rounding
+    moves it down by up to half a bfloat16 ulp, so blocks just below 7 take the larger scale: the rule is
+    qwix's, not the even rule renamed."""
+    a = np.float32(7 * (1 - 2.0**-10))
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = a
+    oas = _qmx_jit(jnp.asarray(x), axis=-1, elem="e2m1", block_size=32, scale_mode="oas")
+    even = _qmx_jit(jnp.asarray(x), axis=-1, elem="e2m1", block_size=32, scale_mode="even")
+    assert int(oas.scale_exponent()[0, 0]) == 1 and int(even.scale_exponent()[0, 0]) == 0
+
+
+@pytest.mark.parametrize("elem", OAS_ELEMS)
+def test_quantize_mx_oas_nonfinite_blocks(elem):
+    rng = np.random.default_rng(12)
+    x = _nonfinite_cases(rng, 32)
+    kw = dict(axis=-1, elem=elem, block_size=32, scale_mode="oas", rounding="nearest_even")
+    mx = _qmx_jit(jnp.asarray(x), **kw)
+    np.testing.assert_array_equal(np.asarray(mx.scale).view(np.uint8)[:4, 0], [0xFF] * 4)
+    assert np.isnan(np.asarray(mx.dequantize(jnp.float32))[:4]).all()
+    _assert_mx_matches(_qmx_jit(jnp.asarray(x[4:]), **kw), ref.quantize_mx(x[4:], **kw), x[4:], "healthy")
+
+
+@pytest.mark.parametrize("elem", ("e2m3", "e3m2", "e5m2"))
+def test_oas_is_refused_for_elements_qwix_defines_no_factor_for(elem):
+    from fp4jax.ops.recipes import QuantSpec
+
+    with pytest.raises(ValueError, match="defined for elem 'e2m1' and 'e4m3' only"):
+        quantize_mx(jnp.ones((1, 32)), elem=elem, scale_mode="oas")
+    with pytest.raises(ValueError, match="defined for elem 'e2m1' and 'e4m3' only"):
+        QuantSpec(kind="mx", elem=elem, scale_mode="oas")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax.ops import mx_dot_general, quantize_mx
+from fp4jax.ops import mx_dot_general, quantize_mx, rotation
 from fp4jax.ops.kernels import fused_quantize, probes
 from fp4jax.ops.recipes import MXFP4, ROTATIONS, GemmSpec, Recipe, RotationKind, RotationSpec
 
@@ -74,3 +74,34 @@ def _mx_args():
 def test_an_unknown_rotation_kind_is_a_one_line_error():
     with pytest.raises(ValueError, match="unknown rotation kind 'reverse'"):
         RotationSpec(kind="reverse")
+
+
+MXFP4_OAS = dataclasses.replace(MXFP4, scale_mode="oas")
+
+
+def test_the_fused_path_refuses_the_oas_scale_rule():
+    """qwix's rule is reference-only: the fused quantizer (XLA, Pallas) says so, never runs another rule."""
+    shape = (256, 256)
+    assert not fused_quantize.pallas_supports(
+        shape, -1, MXFP4_OAS, RotationSpec(), device=NVIDIA, device_count=1
+    )
+    assert "not scale_mode='oas'" in fused_quantize.fused_refusal(MXFP4_OAS, RotationSpec())
+    with pytest.raises(ValueError, match="scale rules floor, even, ceil only"):
+        fused_quantize.rotate_quantize(jnp.ones(shape), spec=MXFP4_OAS, rotation=RotationSpec(), impl="xla")
+
+
+@pytest.mark.parametrize("quantizer", ["xla", "pallas", "auto"])
+def test_an_oas_gemm_takes_the_reference_path_whatever_the_quantizer(quantizer):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((32, 64)) * np.exp(rng.standard_normal((32, 64))), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+    gemm = GemmSpec(MXFP4_OAS, MXFP4_OAS, RotationSpec("deterministic"))
+    got = mx_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=Recipe(fprop=gemm, quantizer=quantizer))
+
+    def reference_operand(v):
+        args = dict(_mx_args(), scale_mode="oas")
+        rotated = rotation.rotate_blocks(v, axis=-1, size=16)
+        return quantize_mx(rotated, **args).dequantize(jnp.float32)
+
+    want = reference_operand(x) @ reference_operand(w.T).T
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want, np.float32))

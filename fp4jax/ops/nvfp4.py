@@ -47,6 +47,8 @@ from fp4jax.ops.formats import (
 from fp4jax.ops.quantize import round_to_grid, stochastic_bits
 
 __all__ = [
+    "FOUR_OVER_SIX_BOUND",
+    "FOUR_OVER_SIX_ERRORS",
     "NVFP4Array",
     "NVFP4_BLOCK_SIZE",
     "NVFP4_ROUNDING_MODES",
@@ -63,6 +65,12 @@ _E4M3_MAX = 448.0
 _F32_MAX = float(np.finfo(np.float32).max)
 _RCP_6 = float(np.float32(1.0 / 6.0))  # TE folds float32(1/6) into S_enc rather than dividing by 6
 _E4M3_NAN_BITS = 0x7F
+# Four-over-Six (Cook et al., arXiv 2512.02010, as Transformer Engine's nvfp4_4over6 computes it): the
+# error measures it chooses a block's scale by, and the tensor scale's E4M3 bound (256, TE's default
+# NVTE_NVFP4_4OVER6_E4M3_USE_256 and the paper's, so that the map-to-4 scale 1.5 * 256 fits E4M3's 448).
+FOUR_OVER_SIX_ERRORS = ("mse", "mae")
+FOUR_OVER_SIX_BOUND = 256.0
+_MAP_TO_4 = 1.5
 
 
 def flush_subnormal(v: jax.Array) -> jax.Array:
@@ -72,11 +80,12 @@ def flush_subnormal(v: jax.Array) -> jax.Array:
     return jnp.where((bits & F32_ABS_MASK) < F32_MIN_NORMAL_BITS, signed_zero, v)
 
 
-def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
-    """S_enc = 448 * 6 / amax in float32: FLT_MAX where that overflows, 1 where amax is 0 (TE's rule)."""
+def nvfp4_global_scale(tensor_amax: jax.Array, e4m3_bound: float = _E4M3_MAX) -> jax.Array:
+    """S_enc = e4m3_bound * 6 / amax in float32: FLT_MAX where that overflows, 1 where amax is 0 (TE's
+    rule; the bound is 448, or 256 under Four-over-Six)."""
     a = jnp.asarray(tensor_amax, jnp.float32)
     positive = a > 0
-    quotient = formats.divide_nearest_even(jnp.float32(_E4M3_MAX * _E2M1_MAX), jnp.where(positive, a, 1.0))
+    quotient = formats.divide_nearest_even(jnp.float32(e4m3_bound * _E2M1_MAX), jnp.where(positive, a, 1.0))
     return jnp.where(positive, jnp.minimum(quotient, _F32_MAX), jnp.float32(1.0))
 
 
@@ -132,8 +141,18 @@ class NVFP4Array:
         return flush_subnormal(values * _decode_scale(self.global_scale)).astype(dtype)
 
 
-def _check_nvfp4_args(x: jax.Array, axis: int, block_size: int, block_2d: bool, rounding: str, key) -> int:
+def _check_nvfp4_args(
+    x: jax.Array, axis: int, block_size: int, block_2d: bool, rounding: str, key, four_over_six
+) -> int:
     require_power_of_two(block_size, "block_size")
+    if four_over_six is not None and four_over_six not in FOUR_OVER_SIX_ERRORS:
+        choices = ", ".join(FOUR_OVER_SIX_ERRORS)
+        raise ValueError(f"unknown four_over_six error {four_over_six!r}: use one of {choices} (or None)")
+    if four_over_six is not None and rounding != "nearest_even":
+        raise ValueError(
+            "Four-over-Six chooses between two round-to-nearest encodings (Transformer Engine refuses it "
+            "with stochastic rounding too): use rounding='nearest_even' or four_over_six=None"
+        )
     if rounding not in NVFP4_ROUNDING_MODES:
         choices = ", ".join(NVFP4_ROUNDING_MODES)
         raise ValueError(f"unknown rounding {rounding!r} for NVFP4: use one of {choices}")
@@ -175,6 +194,59 @@ def _block_scales(block_amax: jax.Array, global_scale: jax.Array) -> tuple[jax.A
     return s_b, jnp.minimum(encode, _F32_MAX)
 
 
+def _encode(xs: jax.Array, encode: jax.Array, rounding: str, random_bits=None) -> jax.Array:
+    """The signed E2M1 values (float32) of xs under the block encode scales e_b: min(|x * e_b|, 6) rounded."""
+    y = jnp.minimum(jnp.abs(flush_subnormal(xs * encode)), _E2M1_MAX)
+    magnitude = round_to_grid(y, formats.E2M1, rounding, random_bits=random_bits)
+    return jnp.where(f32_bits(xs) < 0, -magnitude, magnitude)
+
+
+def _candidate_scales(block_amax, global_scale, expand: float | None):
+    """(s_b, e_b) of one Four-over-Six candidate, TE's compute_scale_pair: base = amax_b / 6 * S_enc
+    (an IEEE divide, then one multiply), times 1.5 for map-to-4, clipped to 448, E4M3 to nearest even."""
+    base = flush_subnormal(formats.divide_nearest_even(block_amax, jnp.float32(_E2M1_MAX)) * global_scale)
+    if expand is not None:
+        base = flush_subnormal(base * jnp.float32(expand))
+    s_b = jnp.minimum(base, _E4M3_MAX).astype(jnp.float8_e4m3fn)
+    block_decode = flush_subnormal(formats.float8_to_float32(s_b) * _decode_scale(global_scale))
+    encode = formats.divide_nearest_even(jnp.float32(1.0), block_decode)
+    return s_b, jnp.minimum(encode, _F32_MAX)
+
+
+def _block_error(xs, q, s_b, tensor_amax, block_2d: bool, measure: str) -> jax.Array:
+    """A candidate's error per block (tile), TE's accumulate_dequant_error in float32 (flushed to zero):
+    val = ((q * s_b) * amax) / (6 * 256), diff = val - x, |diff| or diff^2 summed over the 16 elements of a
+    block row in order; a 2D tile sums its 16 rows' errors as a tree (8 + 8, 4 + 4, 2 + 2, 1 + 1)."""
+    scale = formats.float8_to_float32(s_b)
+    val = flush_subnormal(flush_subnormal(q * scale) * tensor_amax)
+    val = formats.divide_nearest_even(val, jnp.float32(_E2M1_MAX * FOUR_OVER_SIX_BOUND))
+    diff = flush_subnormal(val - xs)
+    per_element = jnp.abs(diff) if measure == "mae" else flush_subnormal(diff * diff)
+    total = per_element[..., 0]
+    for i in range(1, per_element.shape[-1]):  # in order, as the kernel adds them
+        total = flush_subnormal(total + per_element[..., i])
+    if block_2d:  # total is (..., mb, bs, nb): the tile's rows on axis -2
+        while total.shape[-2] > 1:
+            half = total.shape[-2] // 2
+            total = flush_subnormal(total[..., :half, :] + total[..., half:, :])
+        return total[..., None]  # (..., mb, 1, nb, 1)
+    return total[..., None]
+
+
+def _four_over_six(xs, block_amax, tensor_amax, global_scale, block_2d: bool, measure: str):
+    """(s_b, signed E2M1 values) by Four-over-Six: both candidates encoded to nearest even, the map-to-4
+    one kept where its error is strictly smaller (ties keep map-to-6), as Transformer Engine's kernel."""
+    s6, e6 = _candidate_scales(block_amax, global_scale, None)
+    s4, e4 = _candidate_scales(block_amax, global_scale, _MAP_TO_4)
+    q6, q4 = _encode(xs, e6, "nearest_even"), _encode(xs, e4, "nearest_even")
+    err6 = _block_error(xs, q6, s6, tensor_amax, block_2d, measure)
+    err4 = _block_error(xs, q4, s4, tensor_amax, block_2d, measure)
+    pick4 = err4 < err6
+    bits4, bits6 = (lax.bitcast_convert_type(s, jnp.uint8) for s in (s4, s6))
+    s_b = lax.bitcast_convert_type(jnp.where(pick4, bits4, bits6), jnp.float8_e4m3fn)
+    return s_b, jnp.where(pick4, q4, q6)
+
+
 def quantize_nvfp4(
     x: jax.Array,
     *,
@@ -184,8 +256,12 @@ def quantize_nvfp4(
     rounding: str = "nearest_even",
     key: jax.Array | None = None,
     rng: str = "threefry",
+    four_over_six: str | None = None,
 ) -> NVFP4Array:
     """Quantizes x to NVFP4 along `axis` (the contraction axis), by Transformer Engine's rule (module doc).
+
+    four_over_six ("mse" or "mae"; None: the standard rule): each block (tile) takes the better of two
+    encodings, its maximum scaled to 6 or to 4, by Transformer Engine's nvfp4_4over6 (_four_over_six).
 
     S_enc comes from the largest finite |x| of the whole tensor. A block holding NaN or +-Inf gets a NaN
     scale and +0 data and leaves the other blocks alone. Stochastic rounding draws
@@ -193,7 +269,7 @@ def quantize_nvfp4(
     |x * e_b| <= 6, and a block maximum whose E4M3 scale rounded down saturates at 6.
     """
     x = jnp.asarray(x)
-    axis = _check_nvfp4_args(x, axis, block_size, block_2d, rounding, key)
+    axis = _check_nvfp4_args(x, axis, block_size, block_2d, rounding, key, four_over_six)
     x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     blocks, block_axes = _to_blocks(x_last, block_size, block_2d)
 
@@ -202,16 +278,19 @@ def quantize_nvfp4(
     healthy = jnp.all(finite, axis=block_axes, keepdims=True)
     xs = flush_subnormal(jnp.where(finite, blocks, 0.0))
     magnitudes = jnp.abs(xs)
-    global_scale = nvfp4_global_scale(jnp.max(magnitudes))
+    tensor_amax = jnp.max(magnitudes)
     block_amax = jnp.max(magnitudes, axis=block_axes, keepdims=True)
 
-    s_b, encode = _block_scales(block_amax, global_scale)
-    y = jnp.minimum(jnp.abs(flush_subnormal(xs * encode)), _E2M1_MAX)
-    random_bits = None
-    if rounding == "stochastic":
-        random_bits = stochastic_bits(key, x_last.shape, rng).reshape(blocks.shape)
-    magnitude = round_to_grid(y, formats.E2M1, rounding, random_bits=random_bits)
-    signed = jnp.where(f32_bits(xs) < 0, -magnitude, magnitude)
+    if four_over_six is None:
+        global_scale = nvfp4_global_scale(tensor_amax)
+        s_b, encode = _block_scales(block_amax, global_scale)
+        random_bits = None
+        if rounding == "stochastic":
+            random_bits = stochastic_bits(key, x_last.shape, rng).reshape(blocks.shape)
+        signed = _encode(xs, encode, rounding, random_bits)
+    else:
+        global_scale = nvfp4_global_scale(tensor_amax, FOUR_OVER_SIX_BOUND)
+        s_b, signed = _four_over_six(xs, block_amax, tensor_amax, global_scale, block_2d, four_over_six)
     data = jnp.where(healthy, signed, 0.0).astype(formats.E2M1.dtype)
 
     scale_bits = jnp.where(healthy, lax.bitcast_convert_type(s_b, jnp.uint8), jnp.uint8(_E4M3_NAN_BITS))

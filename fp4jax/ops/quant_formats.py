@@ -23,10 +23,34 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from fp4jax.ops import nvfp4, quantize
+from fp4jax.ops import ms_eden, nvfp4, quantize
 from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4_ROUNDING_MODES
 
-__all__ = ["FORMATS", "KINDS", "QuantFormat", "QuantKind", "format_of"]
+# NVFP4's block-scale rules, as QuantSpec.scale_mode names them, and quantize_nvfp4's four_over_six for
+# each: "floor" (QuantSpec's default) is the standard rule, the block maximum scaled to 6 (Transformer
+# Engine's); the "4over6_" rules choose per block between scaling it to 6 or to 4 by the named error.
+NVFP4_SCALE_MODES = {"floor": None, "4over6_mse": "mse", "4over6_mae": "mae"}
+# NVFP4's roundings: quantize_nvfp4's, and MS-EDEN (ms_eden.quantize_ms_eden: the randomness in the block
+# scale; its operand must come rotated by random signs in groups of ms_eden.MS_EDEN_GROUP).
+MS_EDEN = "ms_eden"
+NVFP4_ROUNDINGS = (*NVFP4_ROUNDING_MODES, MS_EDEN)
+# Every rounding some kind takes; those that draw random bits (a QuantSpec with one needs a key).
+ROUNDINGS = (*quantize.ROUNDING_MODES, MS_EDEN)
+RANDOM_ROUNDINGS = ("stochastic", MS_EDEN)
+
+__all__ = [
+    "FORMATS",
+    "KINDS",
+    "MS_EDEN",
+    "NVFP4_ROUNDINGS",
+    "NVFP4_SCALE_MODES",
+    "RANDOM_ROUNDINGS",
+    "ROUNDINGS",
+    "SCALE_MODES",
+    "QuantFormat",
+    "QuantKind",
+    "format_of",
+]
 
 
 def _no_checks(spec) -> None:
@@ -67,6 +91,8 @@ def _quantize_fp8(x, spec, key, fp8_scale):
 
 
 def _quantize_nvfp4(x, spec, key, fp8_scale):
+    if spec.rounding == MS_EDEN:
+        return ms_eden.quantize_ms_eden(x, axis=-1, key=key)
     if spec.block_2d and x.shape[-2] % spec.block_size:
         raise ValueError(
             f"2D NVFP4 tiles need both of the weight's GEMM axes to be multiples of {spec.block_size}; "
@@ -80,6 +106,7 @@ def _quantize_nvfp4(x, spec, key, fp8_scale):
         rounding=spec.rounding,
         key=key,
         rng=spec.rng,
+        four_over_six=NVFP4_SCALE_MODES[spec.scale_mode],
     )
 
 
@@ -93,6 +120,20 @@ def _check_fp8(spec) -> None:
         raise ValueError("fp8 per-tensor operands round half-to-even only")
 
 
+def _check_mx(spec) -> None:
+    if spec.rounding not in quantize.ROUNDING_MODES:
+        raise ValueError(
+            f"rounding={spec.rounding!r} is NVFP4's (kind='nvfp4'); MX operands round "
+            f"{', '.join(quantize.ROUNDING_MODES)}"
+        )
+    if spec.scale_mode not in quantize.SCALE_MODES:
+        raise ValueError(
+            f"scale_mode={spec.scale_mode!r} is an NVFP4 block-scale rule; MX scales take "
+            f"{', '.join(quantize.SCALE_MODES)}: choose one of them (or kind='nvfp4')"
+        )
+    quantize.check_oas_elem(spec.scale_mode, spec.elem)
+
+
 def _check_nvfp4(spec) -> None:
     if spec.elem != "e2m1":
         raise ValueError(f"NVFP4 elements are E2M1: drop elem={spec.elem!r} (or use kind='mx' for it)")
@@ -101,20 +142,33 @@ def _check_nvfp4(spec) -> None:
             f"NVFP4 blocks are {NVFP4_BLOCK_SIZE} elements, got block_size={spec.block_size}: "
             f"drop block_size (or use kind='mx' for blocks of {spec.block_size})"
         )
-    if spec.rounding not in NVFP4_ROUNDING_MODES:
+    if spec.rounding not in NVFP4_ROUNDINGS:
         raise ValueError(
-            f"NVFP4 rounds {' or '.join(NVFP4_ROUNDING_MODES)}, not {spec.rounding!r}: choose one of them"
+            f"NVFP4 rounds {' or '.join(NVFP4_ROUNDINGS)}, not {spec.rounding!r}: choose one of them"
         )
-    if spec.scale_mode != "floor":
+    if spec.rounding == MS_EDEN and spec.block_2d:
+        raise ValueError("MS-EDEN quantizes 1D blocks (Quartet II's): drop block_2d for rounding='ms_eden'")
+    if spec.scale_mode not in NVFP4_SCALE_MODES:
         raise ValueError(
             f"scale_mode={spec.scale_mode!r} is an MX scale rule; NVFP4 block scales are E4M3 under a "
-            "per-tensor scale (docs/numerics.md): drop scale_mode"
+            f"per-tensor scale (docs/numerics.md): drop scale_mode or choose {', '.join(NVFP4_SCALE_MODES)}"
+        )
+    if NVFP4_SCALE_MODES[spec.scale_mode] is not None and spec.rounding != "nearest_even":
+        raise ValueError(
+            f"scale_mode={spec.scale_mode!r} (Four-over-Six) chooses between two round-to-nearest "
+            "encodings: use rounding='nearest_even' for it, or scale_mode='floor' with stochastic rounding"
         )
 
+
+# Every scale_mode some kind takes (QuantSpec checks a value against this; each kind's check refuses
+# the ones it does not take, saying whose they are).
+SCALE_MODES = (*quantize.SCALE_MODES, *(m for m in NVFP4_SCALE_MODES if m not in quantize.SCALE_MODES))
 
 KINDS: dict[str, QuantKind] = {
     "none": QuantKind("none", lambda x, spec, key, fp8_scale: x),
-    "mx": QuantKind("mx", _quantize_mx, quantize.MXArray, blocked=True, prescale=True, fused=True),
+    "mx": QuantKind(
+        "mx", _quantize_mx, quantize.MXArray, blocked=True, prescale=True, fused=True, check=_check_mx
+    ),
     "fp8": QuantKind(
         "fp8", _quantize_fp8, quantize.FP8Array, per_tensor=True, delayed_scaling=True, check=_check_fp8
     ),

@@ -36,6 +36,7 @@ from fp4jax.ops.kernels import sr_bits
 
 __all__ = [
     "ROUNDING_MODES",
+    "OAS_FACTORS",
     "SCALE_MODES",
     "FP8Array",
     "MXArray",
@@ -53,7 +54,11 @@ __all__ = [
 ]
 
 
-SCALE_MODES = ("floor", "even", "ceil")
+SCALE_MODES = ("floor", "even", "ceil", "oas")
+# Outlier-Aware Scaling (qwix, docs/numerics.md): the factor C that multiplies amax / max_value, for the
+# element formats qwix defines it for (its "mxfp4" and "mxfp8", E4M3 elements). No other element has one.
+OAS_FACTORS = {"e2m1": 12.0 / 7.0, "e4m3": 60.0 / 31.0}
+_OAS_TINY_SCALE = 2.0**-63  # qwix: a scale below sqrt(float32 tiny) is replaced by 1
 ROUNDING_MODES = ("nearest_even", "nearest_away", "stochastic")
 
 _EVEN_ROUND_BIT = 0x200000  # 2^21: rounds a float32 significand to 2 significant bits
@@ -233,13 +238,25 @@ def _element_of(data, elem: str | None) -> str | None:
     return name
 
 
-def _check_mx_args(x: jax.Array, axis: int, block_size: int, scale_mode: str, rounding: str) -> int:
+def check_oas_elem(scale_mode: str, elem: str) -> None:
+    """A one-line error where scale_mode "oas" meets an element format qwix defines no factor for."""
+    if scale_mode == "oas" and get_elem_format(elem).name not in OAS_FACTORS:
+        raise ValueError(
+            f"scale_mode='oas' (qwix's Outlier-Aware Scaling) is defined for elem "
+            f"{' and '.join(map(repr, OAS_FACTORS))} only, not {elem!r}: choose floor, even or ceil"
+        )
+
+
+def _check_mx_args(
+    x: jax.Array, axis: int, block_size: int, scale_mode: str, rounding: str, elem: str
+) -> int:
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {scale_mode!r}: use one of {', '.join(SCALE_MODES)}")
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"unknown rounding {rounding!r}: use one of {', '.join(ROUNDING_MODES)}")
+    check_oas_elem(scale_mode, elem)
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for an array of rank {x.ndim}")
     axis %= x.ndim
@@ -255,12 +272,35 @@ def _mantissa_bits_of(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0] & F32_MANTISSA_MASK
 
 
+def _bfloat16_bits(v_bits: jax.Array) -> jax.Array:
+    """The float32 bits of a finite float32 (given by its bits) rounded to bfloat16, to nearest even.
+
+    On the bits, not by conversion: XLA:GPU folds a float32 -> bfloat16 -> float32 chain away."""
+    return (v_bits + 0x7FFF + ((v_bits >> 16) & 1)) & ~0xFFFF
+
+
+def _oas_exponent(amax_bits: jax.Array, fmt: ElemFormat) -> jax.Array:
+    """qwix's Outlier-Aware Scaling (commit 901efed, qarray.compute_scale_zero_point) as an exponent.
+
+    In float32: s = amax / max_value (IEEE), s = 1 where s < 2^-63, t = s * float32(C), then t rounded
+    to bfloat16 (nearest even) with its mantissa cleared: the scale is 2^(t's bfloat16 exponent).
+    """
+    amax = f32_from_bits(amax_bits)
+    scale = formats.divide_nearest_even(amax, jnp.float32(fmt.max_value))
+    scale = jnp.where(scale < _OAS_TINY_SCALE, jnp.float32(1.0), scale)
+    scaled = scale * jnp.float32(OAS_FACTORS[fmt.name])
+    return _floor_log2(_bfloat16_bits(f32_bits(scaled)))
+
+
 def scale_exponent(amax_bits: jax.Array, fmt: ElemFormat, scale_mode: str) -> jax.Array:
     """The shared exponent e of blocks whose absolute maxima have float32 bits `amax_bits` (finite).
 
     floor: floor(log2 amax) - emax.  even: the same after rounding amax to 2 significant bits.
-    ceil: the smallest e with max_value * 2^e >= amax. Clamped to [-127, 127].
+    ceil: the smallest e with max_value * 2^e >= amax. oas: qwix's Outlier-Aware Scaling
+    (_oas_exponent; E2M1 and E4M3 only). Clamped to [-127, 127].
     """
+    if scale_mode == "oas":
+        return jnp.clip(_oas_exponent(amax_bits, fmt), formats.SCALE_EXP_MIN, formats.SCALE_EXP_MAX)
     if scale_mode == "even":
         amax_bits = (amax_bits + _EVEN_ROUND_BIT) & ~F32_MANTISSA_MASK
     exponent = _floor_log2(amax_bits) - fmt.emax
@@ -296,7 +336,7 @@ def quantize_mx(
     """
     fmt = get_elem_format(elem)
     x = jnp.asarray(x)
-    axis = _check_mx_args(x, axis, block_size, scale_mode, rounding)
+    axis = _check_mx_args(x, axis, block_size, scale_mode, rounding, elem)
 
     x_last = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     blocks = x_last.reshape(*x_last.shape[:-1], -1, block_size)

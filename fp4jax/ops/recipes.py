@@ -21,8 +21,16 @@ from typing import Any
 from fp4jax.ops import quant_formats
 from fp4jax.ops.formats import ALL_ELEM_FORMATS, require_power_of_two
 from fp4jax.ops.kernels.sr_bits import GENERATORS
-from fp4jax.ops.quant_formats import KINDS, QuantFormat, QuantKind
-from fp4jax.ops.quantize import ROUNDING_MODES, SCALE_MODES
+from fp4jax.ops.ms_eden import MS_EDEN_GROUP
+from fp4jax.ops.quant_formats import (
+    KINDS,
+    MS_EDEN,
+    RANDOM_ROUNDINGS,
+    ROUNDINGS,
+    SCALE_MODES,
+    QuantFormat,
+    QuantKind,
+)
 from fp4jax.ops.rotation import rotate_blocks
 
 __all__ = [
@@ -35,22 +43,28 @@ __all__ = [
     "GEMMS",
     "H16",
     "H32",
+    "HIGH_PRECISION_BLOCKS",
     "MLPERF_FP8_AMAX_ALGO",
     "MLPERF_FP8_HISTORY_LEN",
     "MXFP4",
+    "MXFP4_OAS",
     "MXFP4_SR",
     "MXFP4_SR_PRESCALE",
     "MXFP6_E2M3",
     "MXFP6_E3M2",
     "MXFP8",
     "NVFP4",
+    "NVFP4_4OVER6",
+    "NVFP4_MS_EDEN",
     "NVFP4_SR",
     "NVFP4_W2D",
+    "NVFP4_W2D_4OVER6",
     "NVIDIA_RHT_SEED",
     "PRESETS",
     "QUANTIZERS",
     "QUANT_KINDS",
     "RHT16",
+    "RHT128",
     "RHT16_PER_RUN",
     "ROTATIONS",
     "ROTATION_KINDS",
@@ -63,6 +77,7 @@ __all__ = [
     "RotationKind",
     "RotationSpec",
     "get_recipe",
+    "high_precision_blocks",
     "resolve_recipe",
     "with_fp8_scaling",
     "with_sr_rng",
@@ -167,7 +182,7 @@ class QuantSpec:
             object.__setattr__(self, "block_size", self.quant_kind.default_block_size)
         _check_choice(self.elem, tuple(ALL_ELEM_FORMATS), "element format")
         _check_choice(self.scale_mode, SCALE_MODES, "scale_mode")
-        _check_choice(self.rounding, ROUNDING_MODES, "rounding")
+        _check_choice(self.rounding, ROUNDINGS, "rounding")
         _check_choice(self.fp8_scaling, FP8_SCALINGS, "fp8_scaling")
         _check_choice(self.rng, GENERATORS, "random-bit generator rng")
         require_power_of_two(self.block_size, "block_size")
@@ -203,7 +218,7 @@ class QuantSpec:
 
     @property
     def needs_key(self) -> bool:
-        return self.blocked and self.rounding == "stochastic"
+        return self.blocked and self.rounding in RANDOM_ROUNDINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +267,16 @@ class GemmSpec:
     lhs: QuantSpec = QuantSpec()
     rhs: QuantSpec = QuantSpec()
     rotation: RotationSpec = RotationSpec()
+
+    def __post_init__(self):
+        # MS-EDEN's correction is unbiased over a random rotation of its group: it needs one, per call.
+        eden = MS_EDEN in (self.lhs.rounding, self.rhs.rounding)
+        wanted = RotationSpec(kind="random", size=MS_EDEN_GROUP, signs="per_call")
+        if eden and dataclasses.replace(self.rotation, seed=0) != wanted:
+            raise ValueError(
+                f"rounding='ms_eden' corrects groups of {MS_EDEN_GROUP} rotated by random signs per call: "
+                f"give its GEMM RotationSpec(kind='random', size={MS_EDEN_GROUP}), not {self.rotation}"
+            )
 
     @property
     def needs_key(self) -> bool:
@@ -346,6 +371,14 @@ MXFP6_E3M2 = dataclasses.replace(MXFP4, elem="e3m2")
 NVFP4 = QuantSpec(kind="nvfp4", rounding="nearest_even")
 NVFP4_SR = dataclasses.replace(NVFP4, rounding="stochastic")
 NVFP4_W2D = dataclasses.replace(NVFP4, block_2d=True)
+# Four-over-Six (Cook et al., arXiv 2512.02010; Transformer Engine's nvfp4_4over6 arithmetic) with the
+# paper's error measure, MSE: per block the better of the maximum scaled to 6 or to 4.
+NVFP4_4OVER6 = dataclasses.replace(NVFP4, scale_mode="4over6_mse")
+NVFP4_W2D_4OVER6 = dataclasses.replace(NVFP4_W2D, scale_mode="4over6_mse")
+# MS-EDEN (Quartet II, arXiv 2601.22813): unbiased, the randomness in the block scale; behind RHT128.
+NVFP4_MS_EDEN = dataclasses.replace(NVFP4, rounding="ms_eden")
+# qwix's Outlier-Aware Scaling on the study's MXFP4 operand (only the scale rule differs).
+MXFP4_OAS = dataclasses.replace(MXFP4, scale_mode="oas")
 # NVIDIA's MXFP8 recipe: E4M3 everywhere, scales rounded up (RCEIL).
 MXFP8 = QuantSpec(kind="mx", elem="e4m3", block_size=32, scale_mode="ceil", rounding="nearest_even")
 
@@ -356,6 +389,8 @@ RHT16 = RotationSpec(kind="random", size=16, signs="per_call")
 # hard-codes one); here the vector is random_signs(jax.random.key(NVIDIA_RHT_SEED), 16).
 NVIDIA_RHT_SEED = 0
 RHT16_PER_RUN = RotationSpec(kind="random", size=16, signs="per_run", seed=NVIDIA_RHT_SEED)
+# Quartet II's backward rotation: a 128-point Hadamard with random signs drawn anew for every backward.
+RHT128 = RotationSpec(kind="random", size=MS_EDEN_GROUP, signs="per_call")
 
 
 def _mxfp4_gemm(rotation: RotationSpec = RotationSpec(), spec: QuantSpec = MXFP4) -> GemmSpec:
@@ -404,6 +439,36 @@ _NVIDIA_NVFP4 = dict(
 )
 
 
+# NVIDIA's NVFP4 recipe with Four-over-Six on the forward pass: x and W of Fprop, and W's one quantization
+# (its 16 x 16 tiles) in Dgrad too, so that both GEMMs still multiply the same W; dy and Wgrad as NVIDIA's.
+_NVIDIA_NVFP4_4OVER6 = dict(
+    fprop=GemmSpec(NVFP4_4OVER6, NVFP4_W2D_4OVER6),  # (x, W)
+    dgrad=GemmSpec(NVFP4_SR, NVFP4_W2D_4OVER6),  # (dy, W)
+    wgrad=_NVIDIA_NVFP4["wgrad"],  # (x, dy)
+)
+# Quartet II (the authors' Quartet_II_fn, IST-DASLab/Quartet-II): Fprop NVFP4 to nearest with
+# Four-over-Six; both backward GEMMs MS-EDEN on both operands behind a 128-point random-sign Hadamard.
+_QUARTET2 = dict(
+    fprop=GemmSpec(NVFP4_4OVER6, NVFP4_4OVER6),  # (x, W)
+    dgrad=GemmSpec(NVFP4_MS_EDEN, NVFP4_MS_EDEN, RHT128),  # (dy, W)
+    wgrad=GemmSpec(NVFP4_MS_EDEN, NVFP4_MS_EDEN, RHT128),  # (x, dy)
+)
+# The MLPerf Training v6.0 llama3.1_8b MI355X submission (FP4_RECIPE=mxfp4, NVTE_MXFP4_USE_HADAMARD=1):
+# MXFP4 in all three GEMMs behind the fixed 16-point Hadamard, which is the study's full_h16 rung;
+# one definition serves both names (docs/numerics.md says what its public config leaves open).
+_MI355X_MLPERF = _rotated(H16)
+
+# Presets that carry the number of transformer blocks kept in BF16 (first, last): NVIDIA's NVFP4 recipe as
+# published at 12B (the first two and the last eight blocks) and at 8B (the last four). The trainer sets
+# model.bf16_first_blocks / bf16_last_blocks from here (training.setup.resolve_config).
+HIGH_PRECISION_BLOCKS: dict[str, tuple[int, int]] = {"nvfp4_nvidia_12b": (2, 8), "nvfp4_nvidia_8b": (0, 4)}
+
+
+def high_precision_blocks(recipe: str | Recipe) -> tuple[int, int]:
+    """(first, last): the blocks a preset keeps in BF16 ((0, 0) for every other preset and for a Recipe)."""
+    return HIGH_PRECISION_BLOCKS.get(recipe, (0, 0)) if isinstance(recipe, str) else (0, 0)
+
+
 def _format_rungs(prefix: str, spec: QuantSpec) -> dict[str, Recipe]:
     """The study's ladder rungs fprop, fprop_dgrad, full and full_h16 with the MX operands in `spec`'s
     format (FP8 where a rung leaves a GEMM unquantized to MX, as the MXFP4 rungs do)."""
@@ -443,7 +508,7 @@ PRESETS: dict[str, Recipe] = {
         wgrad=_mxfp4_gemm(spec=MXFP4_SR_PRESCALE),
     ),
     "mxfp4_full_rht": _recipe("mxfp4_full_rht", **_rotated(RHT16)),
-    "mxfp4_full_h16": _recipe("mxfp4_full_h16", **_rotated(H16)),
+    "mxfp4_full_h16": _recipe("mxfp4_full_h16", **_MI355X_MLPERF),
     "mxfp4_full_h32": _recipe("mxfp4_full_h32", **_rotated(H32)),
     "mxfp4_full_h16_wgrad_only": _recipe("mxfp4_full_h16_wgrad_only", **{**_FULL, "wgrad": _mxfp4_gemm(H16)}),
     # The decomposition arms (docs/study_plan.md, amendment "H16's channel"): Wgrad's quantization alone,
@@ -465,6 +530,13 @@ PRESETS: dict[str, Recipe] = {
     **_format_rungs("mxfp6_e3m2", MXFP6_E3M2),
     **_format_rungs("nvfp4", NVFP4),
     "nvfp4_nvidia": _recipe("nvfp4_nvidia", **_NVIDIA_NVFP4),
+    # The literature's newer recipes (docs/numerics.md, "Recipes of the literature").
+    "nvfp4_nvidia_12b": _recipe("nvfp4_nvidia_12b", **_NVIDIA_NVFP4),  # + BF16 blocks: HIGH_PRECISION_BLOCKS
+    "nvfp4_nvidia_8b": _recipe("nvfp4_nvidia_8b", **_NVIDIA_NVFP4),
+    "nvfp4_4over6": _recipe("nvfp4_4over6", **_NVIDIA_NVFP4_4OVER6),
+    "nvfp4_quartet2": _recipe("nvfp4_quartet2", **_QUARTET2),
+    "mxfp4_full_oas": _recipe("mxfp4_full_oas", **{stage: _mxfp4_gemm(spec=MXFP4_OAS) for stage in GEMMS}),
+    "mxfp4_mlperf_mi355x": _recipe("mxfp4_mlperf_mi355x", **_MI355X_MLPERF),
 }
 
 

@@ -36,7 +36,7 @@ from fp4jax.models.sharding import (
     make_mesh,
 )
 from fp4jax.ops import BACKENDS, QUANTIZERS, get_recipe, resolve_execution
-from fp4jax.ops.recipes import resolve_recipe
+from fp4jax.ops.recipes import high_precision_blocks, resolve_recipe
 from fp4jax.training import distributed
 from fp4jax.training.errors import ConfigError, WorkdirError
 from fp4jax.training.optimizer import make_optimizer, mlperf_lr
@@ -165,6 +165,7 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     with config_values():
         get_recipe(config.recipe)  # unknown preset: the message lists the presets
         deterministic = deterministic_ops(config)  # a flag value XLA cannot read: one line naming it
+    _apply_high_precision_blocks(config)
     if deterministic and config.model.get("attention") in (None, "auto"):
         # cuDNN flash attention does not compile under the flag (jax 0.11.2): llama.deterministic_attention.
         config.model.attention = deterministic_attention(config.seq_len)
@@ -176,6 +177,23 @@ def resolve_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
             "--config.model.attention=xla"
         )
     return config
+
+
+def _apply_high_precision_blocks(config: ml_collections.ConfigDict) -> None:
+    """Sets model.bf16_first_blocks / bf16_last_blocks from a preset that carries them
+    (recipes.HIGH_PRECISION_BLOCKS), so that a study arm naming the preset gets its BF16 blocks; a config
+    that sets another non-zero number is refused rather than overridden."""
+    counts = high_precision_blocks(config.recipe)
+    if counts == (0, 0):
+        return
+    for key, count in zip(("bf16_first_blocks", "bf16_last_blocks"), counts, strict=True):
+        given = config.model.get(key)
+        if given not in (None, 0, count):
+            raise ConfigError(
+                f"recipe {config.recipe} keeps {count} as model.{key}, but the config sets {given}: drop "
+                f"--config.model.{key} or train recipe nvfp4_nvidia with it"
+            )
+        config.model[key] = count
 
 
 def total_steps(config) -> int:

@@ -95,6 +95,9 @@ OUTPUTS = ("mx", "fp8_fold")
 FUSED_ELEMS = tuple(MAX_CODE)
 FOLDED_ELEMS = fold.FOLDED_ELEMS
 IMPLS = ("auto", "pallas", "xla")
+# The MX scale rules the fused quantizer computes. "oas" (qwix's rule: an IEEE divide and a bfloat16
+# rounding per block) is written for the reference path only, so the fused path refuses it.
+FUSED_SCALE_MODES = ("floor", "even", "ceil")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -114,6 +117,11 @@ def fused_refusal(spec: QuantSpec, rotation: RotationSpec) -> str | None:
         return (
             f"the fused quantizer encodes {', '.join(FUSED_ELEMS)} elements, got elem={spec.elem!r}: "
             "quantize it with quantize.quantize_mx"
+        )
+    if spec.scale_mode not in FUSED_SCALE_MODES:
+        return (
+            f"the fused quantizer computes the scale rules {', '.join(FUSED_SCALE_MODES)} only, not "
+            f"scale_mode={spec.scale_mode!r}: it runs on the reference path (quantize.quantize_mx)"
         )
     if not rotation.implementation.fused:
         return (
