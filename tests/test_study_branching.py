@@ -414,18 +414,26 @@ def test_an_arm_branched_at_some_points_only(tmp_path):
 
 
 def test_the_decomposition_arms_branch_from_the_late_point_only(monkeypatch):
-    """proxy125m's stage `branching` (study_plan.md, amendment "H16's channel"): ten arms at 250 and 600,
-    the three decomposition arms at 600 only, each with the preset the amendment names."""
+    """proxy125m's stage `branching` (study_plan.md, amendments "H16's channel" and "the newer recipes"):
+    ten arms at 250 and 600, the three decomposition arms and the seven newer recipes at 600 only, each
+    with the preset its amendment names."""
     monkeypatch.chdir(ROOT)
     stage = designs.load_plan(os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")).stage(
         "branching"
     )
     specs = plan.stage_specs(stage)
-    assert len(specs) == 3 + 10 * 2 * 3 + 3 * 3
+    assert len(specs) == 3 + 10 * 2 * 3 + (3 + 7) * 3
     late = {
         "wgrad": "mxfp4_wgrad",
         "h16_fprop": "mxfp4_full_h16_fprop",
         "h16_fprop_dgrad": "mxfp4_full_h16_fprop_dgrad",
+        "full_oas": "mxfp4_full_oas",
+        "tseng": "mxfp4_tseng",
+        "nvidia": "mxfp4_nvidia",
+        "nvfp4": "nvfp4_full",
+        "nvfp4_nvidia": "nvfp4_nvidia",
+        "nvfp4_4over6": "nvfp4_4over6",
+        "nvfp4_quartet2": "nvfp4_quartet2",
     }
     assert {arm: stage.arms[arm] for arm in late} == late
     assert all(branching.steps_of(stage, arm) == (600,) for arm in late)
