@@ -188,6 +188,9 @@ def start(
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     log.write(f"=== ladder {stamp} gpus={','.join(gpus) or '-'}: {' '.join(cmd)}\n")
     log.flush()
+    # The summary's mtime before the launch: a trainer that ends before Popen returns control here (a
+    # fast one on a loaded machine) has written its summary already, which must count as fresh.
+    summary_before = _mtime(runs.summary_path(run_dir))
     proc = subprocess.Popen(
         cmd,
         stdout=log,
@@ -200,7 +203,7 @@ def start(
         run_dir,
         proc,
         log,
-        _mtime(runs.summary_path(run_dir)),
+        summary_before,
         time.monotonic(),
         gpus,
         timeout_s,
