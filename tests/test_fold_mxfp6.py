@@ -16,8 +16,9 @@ import mx_reference
 import numpy as np
 import pytest
 
-from fp4jax.ops import PRESETS, MXArray, is_foldable, mx_dot_general, quantize_mx
+from fp4jax.ops import PRESETS, MXArray, mx_dot_general, quantize_mx
 from fp4jax.ops.kernels import backends, fold, probes
+from fp4jax.ops.kernels.fold import is_foldable
 from fp4jax.ops.recipes import QuantSpec
 
 FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}

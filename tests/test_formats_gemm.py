@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax.ops import PRESETS, is_foldable, mx_dot_general, quantize_mx
+from fp4jax.ops import PRESETS, mx_dot_general, quantize_mx
 from fp4jax.ops.execution import resolve_execution
 from fp4jax.ops.kernels import backends, fused_quantize, probes
+from fp4jax.ops.kernels.fold import is_foldable
 from fp4jax.ops.recipes import MXFP6_E2M3, MXFP6_E3M2, QuantSpec, RotationSpec
 
 MXFP6 = {"e2m3": MXFP6_E2M3, "e3m2": MXFP6_E3M2}
