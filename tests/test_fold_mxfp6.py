@@ -38,29 +38,8 @@ HAND_DERIVED = {
     ("e5m2", "e4m3fnuz"): None,
 }
 E2M3 = {fp8: HAND_DERIVED[("e2m3", fp8)] for fp8 in FP8}
-NAN_EXP = 128  # the exponent a NaN scale (0xFF) reads as
+NAN_EXP = mx_reference.FOLD_NAN_EXP
 BLOCK = 8
-
-
-# ----------------------------------------------------------------------------------------------------
-# the reference
-
-
-def reference_fold(q: np.ndarray, e: np.ndarray, block: int, shift: int, window: int):
-    """q: element values (rows x K, float64), e: block exponents (rows x K/block, NAN_EXP = NaN scale).
-
-    Returns (folded float64, row exponents, flushed block count, mask of flushed elements)."""
-    blocks = q.reshape(len(q), -1, block)
-    nan_row = np.any(e == NAN_EXP, axis=1)
-    nonzero = np.any(blocks != 0, axis=-1) & (e != NAN_EXP)
-    top = np.max(np.where(nonzero, e, -(10**6)), axis=1, keepdims=True)
-    top = np.where(np.any(nonzero, axis=1, keepdims=True), top, 0)
-    kept = e - top >= -window
-    folded = np.where(kept[..., None], blocks * np.exp2(e - top + shift)[..., None], 0.0)
-    folded[nan_row] = np.nan
-    flushed = nonzero & ~kept & ~nan_row[:, None]
-    mask = np.repeat(~kept & ~nan_row[:, None], block, axis=1)
-    return folded.reshape(q.shape), np.where(nan_row, 0, top[:, 0] - shift), int(flushed.sum()), mask
 
 
 def _mx(q: np.ndarray, e: np.ndarray) -> MXArray:
@@ -101,7 +80,7 @@ def _check_fold(x: MXArray, q: np.ndarray, e: np.ndarray, fp8: str) -> int:
     """Checks the fold of x (values q, exponents e) into `fp8` against the reference; its flush count."""
     shift, window = E2M3[fp8]
     out = fold_jit(x, fp8_dtype=FP8[fp8])
-    want, want_exp, want_flushed, mask = reference_fold(q, e, x.block_size, shift, window)
+    want, want_exp, want_flushed, mask = mx_reference.reference_fold(q, e, x.block_size, shift, window)
     got = np.asarray(out.data.astype(jnp.float32), np.float64).reshape(q.shape)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.asarray(out.row_exponent).reshape(-1), want_exp)
@@ -244,7 +223,7 @@ def test_flush_count_on_an_input_across_the_window():
     ref = mx_reference.quantize_mx(x, elem="e2m3", scale_mode="even", block_size=32)
     deq = np.abs(ref.data * np.exp2(ref.exp.repeat(32, axis=1)))
     for fp8, (shift, window) in E2M3.items():
-        _, _, want, mask = reference_fold(ref.data, ref.exp, 32, shift, window)
+        _, _, want, mask = mx_reference.reference_fold(ref.data, ref.exp, 32, shift, window)
         assert want > 0 and int(count_jit(mx, fp8_dtype=FP8[fp8])) == want
         assert int(fold_jit(mx, fp8_dtype=FP8[fp8]).flushed_blocks) == want
         assert np.all(np.where(mask, deq, 0) <= 7.5 / 3.5 * 2.0**-12 * deq.max(axis=1, keepdims=True))
