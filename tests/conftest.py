@@ -128,6 +128,14 @@ def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {len(d)} x {d[0].platform} ({d[0].device_kind})"
 
 
+@pytest.fixture(scope="session")
+def gpt2():
+    """The bundled GPT-2 tokenizer, loaded once per worker."""
+    from fp4jax.data import load_tokenizer
+
+    return load_tokenizer("gpt2")
+
+
 @pytest.fixture
 def failing_scaled_dot(monkeypatch):
     """scaled-dot as XLA on an H200 with Triton GEMMs off: compiling it fails (probe caches cleared), and

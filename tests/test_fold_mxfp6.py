@@ -15,8 +15,9 @@ import ml_dtypes
 import mx_reference
 import numpy as np
 import pytest
+from helpers import fwd_bwd, random_operands
 
-from fp4jax.ops import PRESETS, MXArray, mx_dot_general, quantize_mx
+from fp4jax.ops import PRESETS, MXArray, quantize_mx
 from fp4jax.ops.kernels import backends, fold, probes
 from fp4jax.ops.kernels.fold import is_foldable
 from fp4jax.ops.recipes import QuantSpec
@@ -178,15 +179,9 @@ E2M3_PRESETS = ["mxfp6_e2m3_full", "mxfp6_e2m3_full_h16"]
 DIMS = (((2,), (0,)), ((), ()))
 
 
-def _fwd_bwd(x, w, dy, recipe):
-    y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, DIMS, recipe=recipe), x, w)
-    return (y, *vjp(dy))
-
-
 def _operands():
-    kx, kw, kg = jax.random.split(jax.random.key(5), 3)
-    x = jax.random.normal(kx, (2, 32, 96))  # Wgrad contracts 64 tokens
-    return x, jax.random.normal(kw, (96, 64)) * 0.1, jax.random.normal(kg, (2, 32, 64))
+    """x (2, 32, 96), w, dy: Wgrad contracts 64 tokens."""
+    return random_operands(5, (2, 32, 96), (96, 64), (2, 32, 64), scales=(1, 0.1, 1))
 
 
 @pytest.mark.parametrize("preset", E2M3_PRESETS)
@@ -197,13 +192,15 @@ def test_mx_dot_fp8_back_end_is_emulate_bit_for_bit(preset):
     FP8 tensor cores accumulate otherwise (tests/test_fold.py)."""
     operands = _operands()
     recipes = {b: dataclasses.replace(PRESETS[preset], backend=b) for b in ("emulate", "fp8")}
-    jaxpr = jax.make_jaxpr(lambda *a: _fwd_bwd(*a, recipes["fp8"]))(*operands)
+    jaxpr = jax.make_jaxpr(lambda *a: fwd_bwd(*a, recipe=recipes["fp8"], dims=DIMS))(*operands)
     # The three GEMMs are FP8 dots; no dequantized (bf16) GEMM is left (the Hadamard rotation's float32
     # dots in the _h16 preset are not GEMMs of quantized operands).
     dots = [{v.aval.dtype for v in e.invars} for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert dots.count({jnp.dtype(probes.device_fold_dtype())}) == 3
     assert not any(jnp.dtype(jnp.bfloat16) in d for d in dots)
-    runs = {b: jax.jit(lambda *a, r=r: _fwd_bwd(*a, r))(*operands) for b, r in recipes.items()}
+    runs = {
+        b: jax.jit(lambda *a, r=r: fwd_bwd(*a, recipe=r, dims=DIMS))(*operands) for b, r in recipes.items()
+    }
     for name, got, want in zip(("y", "dx", "dw"), runs["fp8"], runs["emulate"], strict=True):
         assert got.dtype == want.dtype == jnp.float32
         got, want, where = np.asarray(got), np.asarray(want), f"{preset} {name}"

@@ -21,6 +21,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import module_name
 
 import fp4jax.ops
 from fp4jax.ops import get_recipe, mx_dot_general
@@ -29,32 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fp4jax"
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _top_level_imports(path: pathlib.Path, modules=()) -> set[str]:
-    """The fp4jax modules a file imports at module level (not inside functions). `from fp4jax.ops import
-    quantize` imports the submodule fp4jax.ops.quantize where that is one of `modules` (the package's
-    __init__ then runs first, but it is already running whenever one of its submodules is imported)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("fp4jax")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fp4jax"):
-            submodules = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
-            found |= submodules or {node.module}
-    return found
-
-
-def _all_modules() -> dict[str, pathlib.Path]:
-    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-
-
 @pytest.mark.parametrize("path", sorted((PACKAGE / "ops").rglob("*.py")), ids=lambda p: p.name)
 def test_every_ops_module_declares_all_and_it_is_true(path):
-    module = importlib.import_module(_module_name(path))
+    module = importlib.import_module(module_name(path))
     assert hasattr(module, "__all__"), f"{path.relative_to(ROOT)} has no __all__"
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing, f"{path.relative_to(ROOT)}: __all__ names {missing} that do not exist"
