@@ -4,7 +4,9 @@ the tiny runs)."""
 
 from __future__ import annotations
 
+import importlib
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,15 @@ def random_operands(seed: int, x_shape, w_shape, dy_shape, scales=(1, 1, 1), dty
     shapes = (x_shape, w_shape, dy_shape)
     draws = (jax.random.normal(k, shape, dtype) for k, shape in zip(keys, shapes, strict=True))
     return tuple(a if s == 1 else s * a for a, s in zip(draws, scales, strict=True))
+
+
+def benchmark_script(name: str):
+    """benchmarks/<name>.py imported as a module, with benchmarks/ on sys.path as when the script runs (its
+    harness and the scripts it imports beside it)."""
+    folder = str(ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
 
 
 def module_name(path: pathlib.Path) -> str:
