@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import ops
 from fp4jax.ops import PRESETS, mx_dot_general, quantize_mx
+from fp4jax.ops.kernels.backends import fp8_dot_precision, fp8_matmul
+from fp4jax.ops.kernels.fold import FoldedOperand, count_fold_flushes, fold_mx_to_fp8
 from fp4jax.selfcheck import gemm_operand_types
 
 DIMS = (((1,), (0,)), ((), ()))  # x[M, K] @ w[K, N]
@@ -58,7 +59,7 @@ def plain_fp8_fwd_bwd(library_precision: bool = True):
     library_precision: the precision the library's FP8 dots carry (else none: XLA's default)."""
 
     def run(x8, wt8, dy8, w8, xt8, dyt8):
-        precision = ops.fp8_dot_precision(x8) if library_precision else None
+        precision = fp8_dot_precision(x8) if library_precision else None
         dot = lambda a, c: jax.lax.dot_general(
             a, c, BMK_BNK, precision=precision, preferred_element_type=jnp.float32
         ).astype(jnp.bfloat16)
@@ -85,7 +86,7 @@ def mx_operands(x, w, dy):
 
 def prefolded_operands(x, w, dy):
     """The six MXFP4 operands folded once outside: (E4M3 data, row exponents) each."""
-    folded = [jax.jit(ops.fold_mx_to_fp8)(q) for q in mx_operands(x, w, dy)]
+    folded = [jax.jit(fold_mx_to_fp8)(q) for q in mx_operands(x, w, dy)]
     return [(f.data, f.row_exponent) for f in folded]
 
 
@@ -96,10 +97,10 @@ def prefolded_fp8_gemms():
         (a_data, a_exp), (c_data, c_exp) = a, c
         no_flush = jnp.zeros((), jnp.int32)
         folded_a, folded_c = (
-            ops.FoldedOperand(a_data, a_exp, no_flush),
-            ops.FoldedOperand(c_data, c_exp, no_flush),
+            FoldedOperand(a_data, a_exp, no_flush),
+            FoldedOperand(c_data, c_exp, no_flush),
         )
-        return ops.fp8_matmul(folded_a, folded_c, out_dtype=jnp.bfloat16)  # what mx_dot_general runs
+        return fp8_matmul(folded_a, folded_c, out_dtype=jnp.bfloat16)  # what mx_dot_general runs
 
     def run(a1, c1, a2, c2, a3, c3):
         return mm(a1, c1), mm(a2, c2), mm(a3, c3)
@@ -195,7 +196,7 @@ def run(shapes, iters: int, recipes, dump: str, only=(), checks: bool = True):
                 flush=True,
             )
         if (m, k, n) == shapes[0] and checks:
-            flushed = [int(ops.count_fold_flushes(q)) for q in mx_operands(x, w, dy)]
+            flushed = [int(count_fold_flushes(q)) for q in mx_operands(x, w, dy)]
             notes.append(f"fold flushes on these random operands (6 operands): {flushed}")
             for check in (check_agreement(x, w, dy, recipes[0]), check_hlo(x, w, dy, recipes[0], dump)):
                 ok &= check[0]

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_formats.py [--shapes 8192x8192] [--calls 20] [--out FILE.md]
 
-For one bf16 operand per shape, quantized along its last axis by `fp4jax.ops.quantize_operand` (the
+For one bf16 operand per shape, quantized along its last axis by `quantized_dot.quantize_operand` (the
 per-GEMM quantizer mx_dot_general calls, every format's path: quantize_mx for MX elements, quantize_nvfp4
 for NVFP4, quantize_fp8 for FP8), it reports the amortized time per call (harness.amortized_seconds,
 cycling over three inputs), the effective bandwidth (bf16 bytes read + the device's bytes written, over
@@ -25,15 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.ops import (
-    QuantSpec,
-    RotationSpec,
-    fold_mx_to_fp8,
-    is_foldable,
-    pallas_supports,
-    quantize_operand,
-    rotate_quantize,
-)
+from fp4jax.ops import QuantSpec, RotationSpec
+from fp4jax.ops.kernels.fold import fold_mx_to_fp8, is_foldable
+from fp4jax.ops.kernels.fused_quantize import pallas_supports, rotate_quantize
+from fp4jax.ops.quantized_dot import quantize_operand
 
 FORMATS = {
     "mxfp4 (E2M1)": QuantSpec(kind="mx", elem="e2m1", scale_mode="even"),

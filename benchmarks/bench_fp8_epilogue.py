@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fp4jax import ops  # noqa: E402
+from fp4jax.ops.kernels.probes import describe_device, scaled_after, scaled_in_epilogue  # noqa: E402
 
 PRESET = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
 DIMS = (((2,), (2,)), ((0,), (0,)))
@@ -38,7 +38,7 @@ def _dot(a, c, out, precision):
 
 
 SPELLINGS = {
-    "f32 GEMM * s, then bf16 (the contract; the float32 path)": lambda a, c, s: ops.scaled_after(
+    "f32 GEMM * s, then bf16 (the contract; the float32 path)": lambda a, c, s: scaled_after(
         a, c, s, jnp.dtype(BF16), PRESET
     ),
     "f32 GEMM, no scale": lambda a, c, s: _dot(a, c, F32, PRESET),
@@ -46,7 +46,7 @@ SPELLINGS = {
     "bf16 GEMM, then * s (rounds twice)": lambda a, c, s: (_dot(a, c, BF16, PRESET).astype(F32) * s).astype(
         BF16
     ),
-    "dequantized lhs, bf16 out (ops.scaled_in_epilogue)": lambda a, c, s: ops.scaled_in_epilogue(
+    "dequantized lhs, bf16 out (ops.scaled_in_epilogue)": lambda a, c, s: scaled_in_epilogue(
         a, c, s, jnp.dtype(BF16)
     ),
 }
@@ -96,7 +96,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    if ops.describe_device().vendor != "nvidia":
+    if describe_device().vendor != "nvidia":
         raise SystemExit(
             f"error: this compares cuBLASLt spellings: run it on an NVIDIA GPU, not {jax.devices()[0]}"
         )

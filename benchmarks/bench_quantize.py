@@ -44,7 +44,12 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax import ops
-from fp4jax.ops import KernelConfig, RotationSpec, Tile, quantize, quantize_operand
+from fp4jax.ops import RotationSpec, quantize
+from fp4jax.ops.kernels.fold import fold_mx_to_fp8
+from fp4jax.ops.kernels.fused_quantize import KernelConfig, rotate_quantize
+from fp4jax.ops.kernels.fused_quantize_pallas import Tile
+from fp4jax.ops.kernels.tile_math import hadamard_rotate
+from fp4jax.ops.quantized_dot import quantize_operand
 
 SPEC = ops.get_recipe("mxfp4_full").fprop.lhs  # the library's MXFP4 operand (recipes.MXFP4)
 KEY = jax.random.key(0)  # every timed function takes (x, key); stochastic rounding draws from it
@@ -61,7 +66,7 @@ def _reference_fn(axis: int, rotation: RotationSpec, out: str, rotate):
         if rotation.kind != "none":
             v = rotate(v, rotation.size)
         mx = quantize_operand(v, SPEC, key, None)  # quantized_dot's own call: quantize_mx along the last axis
-        return mx if out == "mx" else ops.fold_mx_to_fp8(mx)
+        return mx if out == "mx" else fold_mx_to_fp8(mx)
 
     return jax.jit(run)
 
@@ -71,12 +76,12 @@ def _matmul_rotate(v, size):
 
 
 def _butterfly_rotate(v, size):
-    return ops.hadamard_rotate(v.astype(jnp.float32).reshape(-1, v.shape[-1]), size).reshape(v.shape)
+    return hadamard_rotate(v.astype(jnp.float32).reshape(-1, v.shape[-1]), size).reshape(v.shape)
 
 
 def _fused_fn(axis: int, rotation: RotationSpec, out: str, impl: str, config: KernelConfig = KernelConfig()):
     def run(x, key):
-        return ops.rotate_quantize(
+        return rotate_quantize(
             x, axis=axis, spec=SPEC, rotation=rotation, key=key, out=out, impl=impl, config=config
         )
 
@@ -357,7 +362,7 @@ def main():
         "--tiles",
         default="",
         help="Pallas tile overrides, e.g. mx_row=32x256x4,mx_column=16x256x8 "
-        "(rows x cols x warps; the Tile fields of fp4jax.ops.KernelConfig)",
+        "(rows x cols x warps; the Tile fields of fp4jax.ops.kernels.fused_quantize.KernelConfig)",
     )
     parser.add_argument("--out", default="", help="write the markdown table here")
     parser.add_argument(

@@ -52,22 +52,10 @@ from flax import traverse_util
 
 from fp4jax import xla_flags
 from fp4jax.models.llama import Llama, LlamaConfig, block_segments, unstack_layer_params
-from fp4jax.ops import (
-    GEMMS,
-    GemmSpec,
-    QuantDotGeneral,
-    QuantSpec,
-    Recipe,
-    count_fold_flushes,
-    get_elem_format,
-    get_recipe,
-    is_foldable,
-    ldexp_exact,
-    multiply_gemm_operands,
-    operand_layouts,
-    rotated_gemm_operands,
-    to_bfc,
-)
+from fp4jax.ops import GEMMS, GemmSpec, QuantDotGeneral, QuantSpec, Recipe, get_elem_format, get_recipe
+from fp4jax.ops.kernels.fold import count_fold_flushes, is_foldable
+from fp4jax.ops.quantize import ldexp_exact
+from fp4jax.ops.quantized_dot import multiply_gemm_operands, operand_layouts, rotated_gemm_operands, to_bfc
 
 __all__ = [
     "GEMMS",

@@ -34,16 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax.ops import (
-    BACKENDS,
-    GEMMS,
-    PRESETS,
+from fp4jax.ops import BACKENDS, GEMMS, PRESETS, mx_dot_general, resolve_execution
+from fp4jax.ops.kernels.backends import fp8_unfolded
+from fp4jax.ops.kernels.probes import (
     DeviceDescription,
     choose_backend,
     describe_device,
-    fp8_unfolded,
-    mx_dot_general,
-    resolve_execution,
     scaled_dot_compile_error,
 )
 

@@ -128,6 +128,14 @@ def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {len(d)} x {d[0].platform} ({d[0].device_kind})"
 
 
+@pytest.fixture(scope="session")
+def gpt2():
+    """The bundled GPT-2 tokenizer, loaded once per worker."""
+    from fp4jax.data import load_tokenizer
+
+    return load_tokenizer("gpt2")
+
+
 @pytest.fixture
 def failing_scaled_dot(monkeypatch):
     """scaled-dot as XLA on an H200 with Triton GEMMs off: compiling it fails (probe caches cleared), and
@@ -168,11 +176,12 @@ def _keep_shard(config, items) -> None:
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected the other lane's tests
 def pytest_collection_modifyitems(config, items):
     """--shard's share of the tests, if given; then slow modules first, dealt between pytest-xdist's
-    workers (tests/ordering.py) by their seconds in the lane that runs; the same order in every worker,
-    as xdist requires."""
+    workers (tests/ordering.py) by the measured seconds of the tests collected; the same order in every
+    worker, as xdist requires."""
     if config.getoption("shard"):
         _keep_shard(config, items)
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    seconds = ordering.lane_seconds(config.getoption("markexpr"))
+    measured = shards.load_seconds(ordering.SECONDS_FILE)
+    seconds = ordering.module_seconds([item.nodeid for item in items], measured)
     order = ordering.deal([os.path.basename(item.path) for item in items], workers, seconds)
     items[:] = [items[i] for i in order]

@@ -50,7 +50,7 @@ def round_on(y: np.ndarray, fmt, bits: np.ndarray | None = None) -> np.ndarray:
 
     y = np.asarray(y, np.float64)
     b = np.full(y.shape, None, object) if bits is None else np.asarray(bits, np.uint32)
-    return np.frompyfunc(one, 2, 1)(y, b).astype(np.float64)
+    return np.asarray(np.frompyfunc(one, 2, 1)(y, b), np.float64)
 
 
 def flush(v) -> np.ndarray:
@@ -59,17 +59,53 @@ def flush(v) -> np.ndarray:
     return np.where(np.abs(v) < MIN_NORMAL, np.copysign(F32(0), v), v).astype(F32)
 
 
+def grid_values(fmt) -> list[float]:
+    """fmt's finite magnitudes, ascending."""
+    return [float(v) for v in _grid(fmt)[0]]
+
+
+def _codes_of(magnitudes: np.ndarray, fmt) -> np.ndarray:
+    """The codes (uint8) of magnitudes on fmt's grid; each must be a grid value."""
+    _, codes, magnitude = _grid(fmt)
+    code = {m: c for c, m in magnitude.items()}
+    return np.vectorize(lambda m: code[float(m)], otypes=[np.uint8])(magnitudes)
+
+
+def global_scale(amax) -> np.float32:
+    """S_enc = float32(6 * 448 / amax) of a tensor's absolute maximum; FLT_MAX where it overflows, 1 at 0."""
+    amax = F32(amax)
+    if amax == 0:
+        return F32(1.0)
+    with np.errstate(over="ignore"):
+        return min(F32(6.0 * 448.0) / amax, FLT_MAX)
+
+
+def block_scale(amax_b, s_enc) -> tuple[np.ndarray, np.ndarray]:
+    """(s_b, e_b) of blocks with absolute maxima amax_b (float32): the E4M3 scale s_b = E4M3(min(amax_b *
+    (S_enc * float32(1/6)), 448)) and the element multiplier e_b = float32(1 / flush(s_b * S_dec)),
+    FLT_MAX where that overflows (a zero scale)."""
+    s_dec = flush(F32(1.0) / F32(s_enc))
+    with np.errstate(over="ignore", divide="ignore"):
+        t = np.minimum(np.asarray(amax_b, F32) * (F32(s_enc) * F32(1.0 / 6.0)), F32(448.0))
+        s_b = round_on(t, E4M3).astype(F32)
+        return s_b, np.minimum(F32(1.0) / flush(s_b * s_dec), FLT_MAX)
+
+
 @dataclasses.dataclass
 class RefNVFP4:
     """An NVFP4 operand (..., F, C) quantized along C: q * s_b per element (float64, exact; NaN in
     blocks that held NaN/Inf), the E4M3 scales per block (float64 values), S_enc and S_dec (float32),
-    and y = min(|x e_b|, 6), the magnitude the element rounding saw (float64)."""
+    and y = min(|x e_b|, 6), the magnitude the element rounding saw (float64). As stored: `codes`, the
+    E2M1 bytes (sign at 0x8; +0 in blocks that held NaN/Inf), and `scale_bytes`, the E4M3 bytes of the
+    scales (0x7F, NaN, for those blocks)."""
 
     block_values: np.ndarray
     scales: np.ndarray
     s_enc: np.float32
     s_dec: np.float32
     y: np.ndarray
+    codes: np.ndarray
+    scale_bytes: np.ndarray
 
     def dequantize(self) -> np.ndarray:
         """(q * s_b) * S_dec, one float32 rounding, subnormals flushed."""
@@ -77,9 +113,10 @@ class RefNVFP4:
             return flush(self.block_values.astype(F32) * self.s_dec)
 
 
-def quantize_nvfp4(x, tile_rows: int = 1, bits: np.ndarray | None = None) -> RefNVFP4:
+def quantize_nvfp4(x, tile_rows: int = 1, bits: np.ndarray | None = None, tensor_amax=None) -> RefNVFP4:
     """x (..., F, C) float32 in NVFP4 along C: blocks of 16 along C (tile_rows 1) or 16 x 16 tiles of
-    (F, C) (tile_rows 16); stochastic rounding with the uint32 `bits` (x's shape), else nearest even."""
+    (F, C) (tile_rows 16); stochastic rounding with the uint32 `bits` (x's shape), else nearest even.
+    `tensor_amax`: the amax S_enc comes from where x is part of a larger tensor (default: x's own)."""
     x = np.asarray(x, F32)
     *lead, f, c = x.shape
     tiles = x.reshape(*lead, f // tile_rows, tile_rows, c // NVFP4_BLOCK, NVFP4_BLOCK)
@@ -87,20 +124,29 @@ def quantize_nvfp4(x, tile_rows: int = 1, bits: np.ndarray | None = None) -> Ref
     finite = np.isfinite(tiles)
     healthy = np.all(finite, axis=axes, keepdims=True)
     xs = flush(np.where(finite, tiles, F32(0)))
-    amax = F32(np.max(np.abs(xs)))
-    with np.errstate(over="ignore", divide="ignore"):
-        s_enc = F32(1.0) if amax == 0 else min(F32(6.0 * 448.0) / amax, FLT_MAX)
-        s_dec = flush(F32(1.0) / s_enc)[()]
-        amax_b = np.max(np.abs(xs), axis=axes, keepdims=True)
-        t = np.minimum(amax_b * (s_enc * F32(1.0 / 6.0)), F32(448.0))
-        s_b = round_on(t, E4M3).astype(F32)
-        e_b = np.minimum(F32(1.0) / flush(s_b * s_dec), FLT_MAX)
+    s_enc = global_scale(np.max(np.abs(xs)) if tensor_amax is None else tensor_amax)
+    s_dec = flush(F32(1.0) / s_enc)[()]
+    s_b, e_b = block_scale(np.max(np.abs(xs), axis=axes, keepdims=True), s_enc)
+    with np.errstate(over="ignore"):
         y = np.minimum(np.abs(flush(xs * e_b)), F32(6.0))
     u = None if bits is None else np.asarray(bits).reshape(tiles.shape)
-    q = np.copysign(round_on(y, E2M1, u), xs)
+    magnitudes = round_on(y, E2M1, u)
+    q = np.copysign(magnitudes, xs)
     values = np.where(healthy, q * s_b.astype(np.float64), np.nan)
     scales = np.where(healthy, s_b.astype(np.float64), np.nan)[..., 0, :, 0]
-    return RefNVFP4(values.reshape(x.shape), scales, s_enc, s_dec, y.astype(np.float64).reshape(x.shape))
+    sign = np.where(np.signbit(xs) & healthy, 0x8, 0).astype(np.uint8)
+    codes = np.where(healthy, _codes_of(magnitudes, E2M1) | sign, 0).astype(np.uint8)
+    scale_bytes = np.where(healthy[..., 0, :, 0], _codes_of(s_b[..., 0, :, 0], E4M3), 0x7F).astype(np.uint8)
+    shape = x.shape
+    return RefNVFP4(
+        values.reshape(shape),
+        scales,
+        s_enc,
+        s_dec,
+        y.astype(np.float64).reshape(shape),
+        codes.reshape(shape),
+        scale_bytes,
+    )
 
 
 def gemm_alpha(s_dec_a, s_dec_c) -> np.float32:

@@ -376,6 +376,30 @@ def fp8_scale_from_history(history, elem: str) -> np.float32:
 # Rotations.
 
 
+FOLD_NAN_EXP = 128  # the block exponent a NaN scale (E8M0 0xFF) reads as
+
+
+def reference_fold(q: np.ndarray, e: np.ndarray, block: int, shift: int, window: int):
+    """The fold of MX rows into FP8 rows (docs/numerics.md, "The fold"), in float64.
+
+    q: element values (rows x K), e: block exponents (rows x K/block, FOLD_NAN_EXP = a NaN scale).
+    E = the largest exponent of the row's non-zero blocks (0 if none); folded = q * 2^(e_b - E + shift)
+    for blocks with e_b - E >= -window, else +0 (a non-zero one counted as flushed); row exponent
+    E - shift. A NaN block makes its row NaN (row exponent 0) and counts nothing.
+    Returns (folded, row exponents, flushed block count, mask of the flushed blocks' elements)."""
+    blocks = q.reshape(len(q), -1, block)
+    nan_row = np.any(e == FOLD_NAN_EXP, axis=1)
+    nonzero = np.any(blocks != 0, axis=-1) & (e != FOLD_NAN_EXP)
+    top = np.max(np.where(nonzero, e, -(10**6)), axis=1, keepdims=True)
+    top = np.where(np.any(nonzero, axis=1, keepdims=True), top, 0)
+    kept = e - top >= -window
+    folded = np.where(kept[..., None], blocks * np.exp2(e - top + shift)[..., None], 0.0)
+    folded[nan_row] = np.nan
+    flushed = nonzero & ~kept & ~nan_row[:, None]
+    mask = np.repeat(~kept & ~nan_row[:, None], block, axis=1)
+    return folded.reshape(q.shape), np.where(nan_row, 0, top[:, 0] - shift), int(flushed.sum()), mask
+
+
 def hadamard(n: int) -> np.ndarray:
     """Orthonormal Sylvester Hadamard matrix, float64."""
     assert n >= 1 and n & (n - 1) == 0

@@ -12,55 +12,29 @@ order changes: every collected test runs, and nothing in a test depends on anoth
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_LANE", "LONG_LANE", "deal", "lane_seconds", "run_sizes"]
+import os
 
-# Seconds of each lane's slowest modules on 2 cores (2026-12-04, at 21b6bfa): the default lane's are
-# CPU-seconds per module (user + system, a test's subprocesses included), which on an idle machine are its
-# worker seconds and stay near them when others share the machine; the long lane's are `--durations` worker
-# seconds (its several-process runs use more cores than their worker). The lanes: tests/long_lane.py.
-# Only an ordering: a stale figure makes the suite slower, never different.
-DEFAULT_LANE = {
-    "test_faults.py": 50,
-    "test_fused_quantize.py": 35,
-    "test_train.py": 29,
-    "test_mx_dot.py": 26,
-    "test_diagnostics.py": 24,
-    "test_fold.py": 22,
-    "test_branch.py": 21,
-    "test_llama.py": 21,
-    "test_selfcheck.py": 21,
-    "test_flax_adapters.py": 20,
-    "test_gemm_operands.py": 15,
-    "test_formats_train.py": 15,
-    "test_quantize.py": 15,
-    "test_configs.py": 13,
-    "test_readme.py": 10,
-    "test_formats_nvfp4_gemm.py": 10,
-    "test_evaluation_selection.py": 9,
-    "test_instruments.py": 7,
-    "test_multidevice.py": 7,
-    "test_formats_mxfp6.py": 6,
-}
-LONG_LANE = {
-    "test_multiprocess.py": 228,
-    "test_multidevice.py": 56,
-    "test_train.py": 49,
-    "test_formats_train.py": 43,
-    "test_fused_quantize.py": 37,
-    "test_ladder.py": 29,
-    "test_instruments.py": 28,
-    "test_gemm_operands.py": 28,
-    "test_bench_train.py": 20,
-    "test_selfcheck.py": 18,
-}
+__all__ = ["SECONDS_FILE", "SLOW_MODULE_SECONDS", "deal", "module_seconds", "run_sizes"]
+
+# The CPU lanes' measured seconds per test, in tests/shards.py's format ({"measured": ..., "seconds":
+# {node id: setup + call + teardown}}), written from a run with `--durations=0` (docs/testing.md):
+#   python -m pytest -m "" --durations=0 > cpu.log; python tests/shards.py seconds --on "..." cpu.log
+# Only an ordering: a stale or missing file makes the suite slower, never different.
+SECONDS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_lane_seconds.json")
+# A module whose collected tests measured this many seconds together starts first (dealt longest first);
+# the rest fill the runs in collection order.
+SLOW_MODULE_SECONDS = 5.0
 
 
-def lane_seconds(markexpr: str) -> dict[str, float]:
-    """The seconds `deal` orders by for pytest's `-m` expression: one lane's, or both summed (`-m ""`)."""
-    lanes = {"not slow": DEFAULT_LANE, "slow": LONG_LANE}
-    if markexpr.strip() in lanes:
-        return lanes[markexpr.strip()]
-    return {m: DEFAULT_LANE.get(m, 0) + LONG_LANE.get(m, 0) for m in {**DEFAULT_LANE, **LONG_LANE}}
+def module_seconds(nodeids: list[str], seconds: dict[str, float]) -> dict[str, float]:
+    """{module file name: its collected tests' measured seconds} for the modules at or above
+    SLOW_MODULE_SECONDS: what `deal` orders by. Only the collected tests count, so each lane (`-m`) and
+    each shard weighs its own share of a module; a test not measured counts nothing."""
+    total: dict[str, float] = {}
+    for nodeid in nodeids:
+        module = os.path.basename(nodeid.split("::")[0])
+        total[module] = total.get(module, 0.0) + seconds.get(nodeid, 0.0)
+    return {m: t for m, t in total.items() if t >= SLOW_MODULE_SECONDS}
 
 
 def run_sizes(n: int, workers: int) -> list[int]:
@@ -81,7 +55,7 @@ def _pick_run(runs: list[list[int]], sizes: list[int], load: list[float], count:
     return max(range(len(runs)), key=lambda r: sizes[r] - len(runs[r]))
 
 
-def deal(modules: list[str], workers: int, seconds: dict[str, float] = DEFAULT_LANE) -> list[int]:
+def deal(modules: list[str], workers: int, seconds: dict[str, float]) -> list[int]:
     """A new order of the items whose modules are `modules` (one name per item, in collection order), as
     indices into it: `workers` runs of run_sizes' lengths, each starting with its share of the slow
     modules (longest first, each to the run with the fewest seconds so far that has room for it), then

@@ -482,7 +482,7 @@ def test_the_run_trains_with_the_recipe_the_environment_resolves(fresh_auto):
     the run's summary records as `execution`."""
     import ml_collections
 
-    from fp4jax.ops import resolve_recipe
+    from fp4jax.ops.recipes import resolve_recipe
     from fp4jax.training import setup
 
     fresh_auto.setattr(jax, "devices", lambda *a: [_device("cpu", "cpu")])

@@ -18,9 +18,10 @@ import long_lane
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import fwd_bwd
 from jax.extend import core as jcore
 
-from fp4jax.ops import PRESETS, GemmSpec, QuantSpec, Recipe, mx_dot_general
+from fp4jax.ops import PRESETS, GemmSpec, QuantSpec, Recipe
 from fp4jax.ops.formats import float8_to_float32
 from fp4jax.ops.nvfp4 import quantize_nvfp4
 from fp4jax.ops.quantize import quantize_fp8
@@ -128,15 +129,10 @@ def _fp8_meta(recipe):
     return {k: jnp.full((n,), v, jnp.float32) for k, v in (("lhs", 30.0), ("rhs", 0.3), ("grad", 3.0))}
 
 
-def _fwd_bwd(recipe, dy, meta=None):
+def _layer(recipe, dy, meta=None):
+    """(x, w) -> helpers.fwd_bwd with the cotangent dy, and a fixed key where the recipe draws one."""
     key = jax.random.key(3) if recipe.needs_key else None
-    dims = (((1,), (0,)), ((), ()))
-
-    def f(x, w):
-        y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, dims, recipe=recipe, key=key, fp8_meta=meta), x, w)
-        return (y, *vjp(dy))
-
-    return f
+    return lambda x, w: fwd_bwd(x, w, dy, key, recipe=recipe, fp8_meta=meta)
 
 
 # Every preset on both back ends; the default lane keeps NVFP4 (its block scales round by conversion) and
@@ -154,7 +150,7 @@ def test_presets_do_not_depend_on_folded_conversions(name, backend):
     recipe = dataclasses.replace(PRESETS[name], backend=backend)
     x, w, dy = _operands()
     meta = _fp8_meta(recipe) if recipe.uses_delayed_fp8 else None
-    _assert_same_bits(*_both_ways(_fwd_bwd(recipe, dy, meta), x, w), f"{name} on {backend}")
+    _assert_same_bits(*_both_ways(_layer(recipe, dy, meta), x, w), f"{name} on {backend}")
 
 
 _FP8 = QuantSpec(kind="fp8", elem="e4m3")
@@ -170,7 +166,7 @@ def test_fp8_against_other_kinds_does_not_depend_on_folded_conversions(pair):
     """A per-tensor FP8 operand times NVFP4, MXFP4 or float32 widens its FP8 data in the same program."""
     recipe = Recipe(fprop=GemmSpec(*_MIXED[pair]))
     x, w, dy = _operands()
-    _assert_same_bits(*_both_ways(_fwd_bwd(recipe, dy), x, w), pair)
+    _assert_same_bits(*_both_ways(_layer(recipe, dy), x, w), pair)
 
 
 def test_fp8_dequantize_does_not_depend_on_folded_conversions():
@@ -235,7 +231,7 @@ def _written_and_off_divided(f, *args):
 def test_nvfp4_does_not_depend_on_the_divides_rounding(name):
     """NVFP4's scales are quotients; they must be IEEE's on every back end (formats.divide_nearest_even)."""
     x, w, dy = _operands()
-    written, off = _written_and_off_divided(_fwd_bwd(PRESETS[name], dy), x * 1e-3, w)
+    written, off = _written_and_off_divided(_layer(PRESETS[name], dy), x * 1e-3, w)
     _assert_same_bits(written, off, f"{name} under a non-IEEE divide")
 
 
@@ -248,7 +244,7 @@ def test_nvfp4_does_not_depend_on_the_divides_rounding(name):
 def test_the_fp8_baseline_does_not_depend_on_the_divides_rounding():
     recipe = PRESETS["fp8_mlperf"]
     x, w, dy = _operands()
-    _assert_same_bits(*_written_and_off_divided(_fwd_bwd(recipe, dy, _fp8_meta(recipe)), x, w), "fp8_mlperf")
+    _assert_same_bits(*_written_and_off_divided(_layer(recipe, dy, _fp8_meta(recipe)), x, w), "fp8_mlperf")
 
 
 @pytest.mark.parametrize("case", ["odd_scales", "tiny_2^-90", "random"])

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 from tiny_runs import bytes_tokenizer, compilation_cache, tiny_config
 
@@ -145,16 +146,6 @@ def _saved_params(ckpt, step=None) -> dict[tuple[str, ...], np.ndarray]:
     }
 
 
-def _nested(flat: dict) -> dict:
-    tree = {}
-    for keys, value in flat.items():
-        node = tree
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
-    return tree
-
-
 def _assert_same_bits(got: dict, want: dict):
     assert sorted(got) == sorted(want)
     for key in want:
@@ -173,7 +164,7 @@ def test_import_gives_transformers_params_and_logits(hf_model, converted, capsys
 
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
     model32 = Llama(llama_config("tiny", vocab_size=VOCAB, dtype="float32"))
-    logits = np.asarray(jax.jit(model32.apply)({"params": _nested(params)}, tokens))
+    logits = np.asarray(jax.jit(model32.apply)({"params": traverse_util.unflatten_dict(params)}, tokens))
     with torch.no_grad():
         want = hf_model(torch.tensor(tokens)).logits.numpy()
     assert np.abs(logits - want).max() <= 1e-5 * np.abs(want).max()
@@ -272,7 +263,7 @@ def test_a_run_starts_from_the_import_with_a_fresh_optimizer_at_step_0(tmp_path,
         train_iter, _, _ = trainer.load_data(config, bytes_tokenizer(), mesh)
         batch = setup.device_batch(next(train_iter), mesh)
         model, _ = setup.build_model(config, bytes_tokenizer())
-        params = _nested(_saved_params(ckpt))
+        params = traverse_util.unflatten_dict(_saved_params(ckpt))
         loss = float(jax.jit(lambda p, b: state.token_losses(model, p, {}, b, None).mean())(params, batch))
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and first["loss"] == pytest.approx(loss, rel=1e-5)
@@ -297,7 +288,7 @@ def test_a_run_of_another_layer_layout_gets_the_same_params(converted, token_cac
     assert meta["init_params"]["step"] == 0
     got = unstack_layer_params(started.params, model_cfg) if model_cfg.scan_layers else started.params
     saved_cfg = weights.saved_model_config(weights.find_step_dir(str(converted), None, "test"))
-    want = unstack_layer_params(_nested(_saved_params(converted)), saved_cfg)
+    want = unstack_layer_params(traverse_util.unflatten_dict(_saved_params(converted)), saved_cfg)
     flat = lambda tree: {k: np.asarray(v) for k, v in weights.flat_tree(tree).items()}  # noqa: E731
     _assert_same_bits(flat(got), flat(want))
     for leaf, sharding in zip(

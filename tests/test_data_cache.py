@@ -15,11 +15,6 @@ from fp4jax.data.sources import json_sources, train_files
 SMALL = "c4-train.00001-of-00002.json.gz"  # 200 documents, 91,120 GPT-2 tokens
 
 
-@pytest.fixture(scope="module")
-def gpt2():
-    return load_tokenizer("gpt2")
-
-
 @pytest.fixture
 def data_dir(tmp_path):
     shutil.copy(BUNDLED_DATA_DIR / SMALL, tmp_path / SMALL)

@@ -11,7 +11,6 @@ from fp4jax.data import (
     TokenStream,
     TrainIterator,
     default_data_config,
-    load_tokenizer,
     make_eval_batches,
     make_train_iterator,
 )
@@ -145,11 +144,6 @@ def cfg(tmp_path_factory):
     cfg = default_data_config()
     cfg.cache_dir = str(tmp_path_factory.mktemp("cache"))
     return cfg
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    return load_tokenizer("gpt2")
 
 
 def test_bundled_training_iterator(cfg, gpt2):

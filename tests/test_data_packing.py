@@ -11,7 +11,6 @@ from fp4jax.data import (
     DataError,
     TokenStream,
     default_data_config,
-    load_tokenizer,
     make_batch,
     make_eval_batches,
     num_windows,
@@ -74,11 +73,6 @@ def test_pack_documents_without_separator():
 
 # ----------------------------------------------------------------------------------------------------
 # the separator switch, end to end: config -> cache -> eval windows
-
-
-@pytest.fixture(scope="module")
-def gpt2():
-    return load_tokenizer("gpt2")
 
 
 @pytest.mark.parametrize("separator", ["eod", "none"])

@@ -23,11 +23,6 @@ BUNDLED_GPT2_TOKENS = {
 LLAMA3_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 
 
-@pytest.fixture(scope="module")
-def gpt2():
-    return load_tokenizer("gpt2")
-
-
 def _texts(name):
     with gzip.open(BUNDLED_DATA_DIR / name, "rt", encoding="utf-8") as f:
         return [json.loads(line)["text"] for line in f]

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import mx_reference as ref
 import numpy as np
 import pytest
+from helpers import random_operands
 
 from fp4jax import gemm_errors as diag
 from fp4jax.models.llama import Llama, llama_config
@@ -28,12 +29,8 @@ SQUARE = dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16, 
 
 def _operands(seed=0, m=64, k=64, n=32, dtype=jnp.float32):
     """Gaussian x, w, dy in the canonical (1, M, K), (1, N, K), (1, M, N) layout."""
-    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
-    return diag.LayerOperands(
-        x=jax.random.normal(kx, (1, m, k), dtype),
-        w=0.02 * jax.random.normal(kw, (1, n, k), dtype),
-        dy=1e-3 * jax.random.normal(kd, (1, m, n), dtype),
-    )
+    x, w, dy = random_operands(seed, (1, m, k), (1, n, k), (1, m, n), scales=(1, 0.02, 1e-3), dtype=dtype)
+    return diag.LayerOperands(x=x, w=w, dy=dy)
 
 
 @functools.cache

@@ -1,8 +1,9 @@
 """The MX -> E4M3 fold and the fp8 GEMM back end, against an independent numpy reference.
 
-The reference fold below is written from the contract (docs/numerics.md, "Back ends"), in float64 numpy:
-E = max block exponent of the row's non-zero blocks (0 if none), folded = q * 2^(e_b - E + shift) for
-blocks with e_b - E >= -14, else 0 (and counted), row exponent E - shift; a NaN block makes the row NaN.
+The reference fold (mx_reference.reference_fold) is written from the contract (docs/numerics.md, "Back
+ends"), in float64 numpy: E = max block exponent of the row's non-zero blocks (0 if none), folded =
+q * 2^(e_b - E + shift) for blocks with e_b - E >= -14, else 0 (and counted), row exponent E - shift; a
+NaN block makes the row NaN.
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ import lanes
 import ml_dtypes
 import numpy as np
 import pytest
+from mx_reference import reference_fold
 
 from fp4jax.ops import PRESETS, MXArray, mx_dot_general, quantize_fp8
 from fp4jax.ops import quantize_mx as _quantize_mx
@@ -27,40 +29,9 @@ ON_CPU = jax.default_backend() == "cpu"
 GPU_RTOL = 1e-4
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 SHIFT = {"e4m3fn": 6, "e4m3fnuz": 5}
+FOLD_WINDOW = 14  # E2M1 blocks more than 14 binades below the row's top flush, in both FP8 formats
 FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
 NP_FP8 = {"e4m3fn": ml_dtypes.float8_e4m3fn, "e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
-
-
-# ----------------------------------------------------------------------------------------------------
-# the reference
-
-
-def reference_fold(q: np.ndarray, e: np.ndarray, block: int, shift: int):
-    """q: element values (float64, rows x K), e: block exponents (rows x K/block, 128 = NaN).
-
-    Returns (folded float64, row exponent int, flushed count, mask of flushed elements)."""
-    rows, k = q.shape
-    folded = np.zeros_like(q)
-    row_exp = np.zeros(rows, np.int64)
-    flushed_mask = np.zeros(q.shape, bool)
-    flushed = 0
-    for r in range(rows):
-        blocks = q[r].reshape(-1, block)
-        if np.any(e[r] == 128):
-            folded[r] = np.nan
-            continue
-        nonzero = [i for i in range(len(e[r])) if np.any(blocks[i] != 0)]
-        top = max((int(e[r][i]) for i in nonzero), default=0)
-        row_exp[r] = top - shift
-        for i in range(len(e[r])):
-            delta = int(e[r][i]) - top
-            cols = slice(i * block, (i + 1) * block)
-            if delta < -14:
-                flushed += i in nonzero
-                flushed_mask[r, cols] = True
-            else:
-                folded[r, cols] = blocks[i] * 2.0 ** (delta + shift)
-    return folded, row_exp, flushed, flushed_mask
 
 
 def _as_numpy(x: MXArray):
@@ -117,7 +88,7 @@ def test_fold_matches_reference_and_dequantize(name, fp8):
     out = fold_jit(x, fp8_dtype=FP8[fp8])
     assert out.data.dtype == FP8[fp8] and out.row_exponent.dtype == jnp.int32
     q, e = _as_numpy(x)
-    want, want_exp, want_flushed, flushed_mask = reference_fold(q, e, x.block_size, SHIFT[fp8])
+    want, want_exp, want_flushed, flushed_mask = reference_fold(q, e, x.block_size, SHIFT[fp8], FOLD_WINDOW)
     got = np.asarray(out.data.astype(jnp.float32), np.float64).reshape(q.shape)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.asarray(out.row_exponent).reshape(-1), want_exp)
@@ -175,7 +146,7 @@ def test_flushed_elements_are_below_2_to_minus_14_of_their_row(scale_mode, round
     q, e = _as_numpy(x)
     nonzero_max = np.abs(q.reshape(64, 16, 32)).max(axis=-1)
     assert np.all(nonzero_max[nonzero_max > 0] >= 3)
-    _, _, flushed, mask = reference_fold(q, e, 32, 6)
+    _, _, flushed, mask = reference_fold(q, e, 32, 6, FOLD_WINDOW)
     assert flushed > 0
     deq = np.abs(np.asarray(x.dequantize(), np.float64))
     row_max = deq.max(axis=1, keepdims=True)

@@ -15,9 +15,11 @@ import ml_dtypes
 import mx_reference
 import numpy as np
 import pytest
+from helpers import fwd_bwd, random_operands
 
-from fp4jax.ops import PRESETS, MXArray, is_foldable, mx_dot_general, quantize_mx
+from fp4jax.ops import PRESETS, MXArray, quantize_mx
 from fp4jax.ops.kernels import backends, fold, probes
+from fp4jax.ops.kernels.fold import is_foldable
 from fp4jax.ops.recipes import QuantSpec
 
 FP8 = {"e4m3fn": jnp.float8_e4m3fn, "e4m3fnuz": jnp.float8_e4m3fnuz}
@@ -37,29 +39,8 @@ HAND_DERIVED = {
     ("e5m2", "e4m3fnuz"): None,
 }
 E2M3 = {fp8: HAND_DERIVED[("e2m3", fp8)] for fp8 in FP8}
-NAN_EXP = 128  # the exponent a NaN scale (0xFF) reads as
+NAN_EXP = mx_reference.FOLD_NAN_EXP
 BLOCK = 8
-
-
-# ----------------------------------------------------------------------------------------------------
-# the reference
-
-
-def reference_fold(q: np.ndarray, e: np.ndarray, block: int, shift: int, window: int):
-    """q: element values (rows x K, float64), e: block exponents (rows x K/block, NAN_EXP = NaN scale).
-
-    Returns (folded float64, row exponents, flushed block count, mask of flushed elements)."""
-    blocks = q.reshape(len(q), -1, block)
-    nan_row = np.any(e == NAN_EXP, axis=1)
-    nonzero = np.any(blocks != 0, axis=-1) & (e != NAN_EXP)
-    top = np.max(np.where(nonzero, e, -(10**6)), axis=1, keepdims=True)
-    top = np.where(np.any(nonzero, axis=1, keepdims=True), top, 0)
-    kept = e - top >= -window
-    folded = np.where(kept[..., None], blocks * np.exp2(e - top + shift)[..., None], 0.0)
-    folded[nan_row] = np.nan
-    flushed = nonzero & ~kept & ~nan_row[:, None]
-    mask = np.repeat(~kept & ~nan_row[:, None], block, axis=1)
-    return folded.reshape(q.shape), np.where(nan_row, 0, top[:, 0] - shift), int(flushed.sum()), mask
 
 
 def _mx(q: np.ndarray, e: np.ndarray) -> MXArray:
@@ -100,7 +81,7 @@ def _check_fold(x: MXArray, q: np.ndarray, e: np.ndarray, fp8: str) -> int:
     """Checks the fold of x (values q, exponents e) into `fp8` against the reference; its flush count."""
     shift, window = E2M3[fp8]
     out = fold_jit(x, fp8_dtype=FP8[fp8])
-    want, want_exp, want_flushed, mask = reference_fold(q, e, x.block_size, shift, window)
+    want, want_exp, want_flushed, mask = mx_reference.reference_fold(q, e, x.block_size, shift, window)
     got = np.asarray(out.data.astype(jnp.float32), np.float64).reshape(q.shape)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.asarray(out.row_exponent).reshape(-1), want_exp)
@@ -198,15 +179,9 @@ E2M3_PRESETS = ["mxfp6_e2m3_full", "mxfp6_e2m3_full_h16"]
 DIMS = (((2,), (0,)), ((), ()))
 
 
-def _fwd_bwd(x, w, dy, recipe):
-    y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, DIMS, recipe=recipe), x, w)
-    return (y, *vjp(dy))
-
-
 def _operands():
-    kx, kw, kg = jax.random.split(jax.random.key(5), 3)
-    x = jax.random.normal(kx, (2, 32, 96))  # Wgrad contracts 64 tokens
-    return x, jax.random.normal(kw, (96, 64)) * 0.1, jax.random.normal(kg, (2, 32, 64))
+    """x (2, 32, 96), w, dy: Wgrad contracts 64 tokens."""
+    return random_operands(5, (2, 32, 96), (96, 64), (2, 32, 64), scales=(1, 0.1, 1))
 
 
 @pytest.mark.parametrize("preset", E2M3_PRESETS)
@@ -217,13 +192,15 @@ def test_mx_dot_fp8_back_end_is_emulate_bit_for_bit(preset):
     FP8 tensor cores accumulate otherwise (tests/test_fold.py)."""
     operands = _operands()
     recipes = {b: dataclasses.replace(PRESETS[preset], backend=b) for b in ("emulate", "fp8")}
-    jaxpr = jax.make_jaxpr(lambda *a: _fwd_bwd(*a, recipes["fp8"]))(*operands)
+    jaxpr = jax.make_jaxpr(lambda *a: fwd_bwd(*a, recipe=recipes["fp8"], dims=DIMS))(*operands)
     # The three GEMMs are FP8 dots; no dequantized (bf16) GEMM is left (the Hadamard rotation's float32
     # dots in the _h16 preset are not GEMMs of quantized operands).
     dots = [{v.aval.dtype for v in e.invars} for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
     assert dots.count({jnp.dtype(probes.device_fold_dtype())}) == 3
     assert not any(jnp.dtype(jnp.bfloat16) in d for d in dots)
-    runs = {b: jax.jit(lambda *a, r=r: _fwd_bwd(*a, r))(*operands) for b, r in recipes.items()}
+    runs = {
+        b: jax.jit(lambda *a, r=r: fwd_bwd(*a, recipe=r, dims=DIMS))(*operands) for b, r in recipes.items()
+    }
     for name, got, want in zip(("y", "dx", "dw"), runs["fp8"], runs["emulate"], strict=True):
         assert got.dtype == want.dtype == jnp.float32
         got, want, where = np.asarray(got), np.asarray(want), f"{preset} {name}"
@@ -243,7 +220,7 @@ def test_flush_count_on_an_input_across_the_window():
     ref = mx_reference.quantize_mx(x, elem="e2m3", scale_mode="even", block_size=32)
     deq = np.abs(ref.data * np.exp2(ref.exp.repeat(32, axis=1)))
     for fp8, (shift, window) in E2M3.items():
-        _, _, want, mask = reference_fold(ref.data, ref.exp, 32, shift, window)
+        _, _, want, mask = mx_reference.reference_fold(ref.data, ref.exp, 32, shift, window)
         assert want > 0 and int(count_jit(mx, fp8_dtype=FP8[fp8])) == want
         assert int(fold_jit(mx, fp8_dtype=FP8[fp8]).flushed_blocks) == want
         assert np.all(np.where(mask, deq, 0) <= 7.5 / 3.5 * 2.0**-12 * deq.max(axis=1, keepdims=True))

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import fwd_bwd, random_operands
 
-from fp4jax.ops import PRESETS, is_foldable, mx_dot_general, quantize_mx
+from fp4jax.ops import PRESETS, quantize_mx
 from fp4jax.ops.execution import resolve_execution
 from fp4jax.ops.kernels import backends, fused_quantize, probes
+from fp4jax.ops.kernels.fold import is_foldable
 from fp4jax.ops.recipes import MXFP6_E2M3, MXFP6_E3M2, QuantSpec, RotationSpec
 
 MXFP6 = {"e2m3": MXFP6_E2M3, "e3m2": MXFP6_E3M2}
@@ -29,16 +31,7 @@ DIMS = (((1,), (0,)), ((), ()))
 
 
 def _operands(seed: int = 0):
-    keys = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(keys[0], (32, 64)) * 3
-    w = jax.random.normal(keys[1], (64, 48)) / 8
-    dy = jax.random.normal(keys[2], (32, 48))
-    return x, w, dy
-
-
-def _fwd_bwd(recipe, x, w, dy):
-    y, vjp = jax.vjp(lambda a, b: mx_dot_general(a, b, DIMS, recipe=recipe), x, w)
-    return (y, *vjp(dy))
+    return random_operands(seed, (32, 64), (64, 48), (32, 48), scales=(3, 1 / 8, 1))
 
 
 @pytest.mark.parametrize("elem", sorted(MXFP6))
@@ -62,7 +55,9 @@ def test_every_quantizer_setting_gives_the_reference_paths_bits(name):
     here (no GPU): the three settings agree bit for bit."""
     x, w, dy = _operands(1)
     runs = {
-        q: jax.jit(functools.partial(_fwd_bwd, dataclasses.replace(PRESETS[name], quantizer=q)))(x, w, dy)
+        q: jax.jit(functools.partial(fwd_bwd, recipe=dataclasses.replace(PRESETS[name], quantizer=q)))(
+            x, w, dy
+        )
         for q in ("reference", "xla", "auto")
     }
     for q in ("xla", "auto"):

@@ -28,12 +28,12 @@ from fp4jax.ops import (
     QuantSpec,
     Recipe,
     mx_dot_general,
-    quantize_gemm_operands,
     quantize_mx,
     random_signs,
 )
 from fp4jax.ops.kernels import backends, probes
 from fp4jax.ops.nvfp4 import NVFP4Array
+from fp4jax.ops.quantized_dot import quantize_gemm_operands
 from fp4jax.ops.recipes import NVFP4, NVFP4_SR, NVFP4_W2D, RHT16_PER_RUN
 from fp4jax.ops.rotation import rotate_blocks
 

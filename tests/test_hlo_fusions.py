@@ -1,17 +1,14 @@
 """benchmarks/hlo_fusions.py on a real XLA dump of a small program (CPU): a kernel name finds its fusion."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
+from helpers import benchmark_script
 from tiny_runs import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # as when the script runs: its harness beside it
-_spec = importlib.util.spec_from_file_location("hf", os.path.join(ROOT, "benchmarks", "hlo_fusions.py"))
-hf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hf)
+hf = benchmark_script("hlo_fusions")
 
 MODULE = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->bf16[4]{0}}
 

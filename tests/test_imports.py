@@ -3,12 +3,9 @@
 import ast
 import pathlib
 
+from helpers import module_name
+
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "fp4jax"
-
-
-def module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports_of(path: pathlib.Path, modules: set[str]) -> set[str]:

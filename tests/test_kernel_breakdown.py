@@ -1,16 +1,11 @@
 """benchmarks/kernel_breakdown.py on a synthetic Perfetto trace: GPU events only, summed by category."""
 
 import gzip
-import importlib.util
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # as when the script runs: its harness beside it
-_spec = importlib.util.spec_from_file_location("kb", os.path.join(ROOT, "benchmarks", "kernel_breakdown.py"))
-kb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kb)
+from helpers import benchmark_script
+
+kb = benchmark_script("kernel_breakdown")
 
 
 def _trace(tmp_path):

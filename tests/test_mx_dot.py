@@ -26,6 +26,7 @@ import lanes
 import mx_reference as ref
 import numpy as np
 import pytest
+from helpers import fwd_bwd
 
 from fp4jax.ops import (
     PRESETS,
@@ -187,11 +188,7 @@ def _reference(name, lhs, rhs, dy, subs, signs=(None, None, None)):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "recipe", "pet", "precision"))
-def _fwd_bwd(lhs, rhs, dy, key=None, *, dims, recipe, pet=None, precision=None):
-    f = lambda a, b: mx_dot_general(a, b, dims, precision, pet, recipe=recipe, key=key)
-    y, vjp = jax.vjp(f, lhs, rhs)
-    return (y, *vjp(dy.astype(y.dtype)))
+_fwd_bwd = jax.jit(fwd_bwd, static_argnames=("dims", "recipe", "pet", "precision"))
 
 
 @functools.partial(jax.jit, static_argnames=("dims", "pet", "precision"))

@@ -1,11 +1,12 @@
 """quantize_nvfp4 against a slow per-element reference of Transformer Engine's NVFP4 rule.
 
-The reference is written from the rule (docs/numerics.md, "NVFP4"), one block and one element at a time:
-float32 arithmetic as numpy float32 scalars (IEEE, one rounding per operation, subnormals kept unless
-the rule flushes them), the E4M3 and E2M1 roundings onto grids decoded here from the formats' bit
-fields with Python Fractions (nearest, ties to the even code; stochastic: up exactly when
-u < (a - lo) / (hi - lo), u the top 24 of the element's 32 bits from jax.random.bits(key, shape with
-the block axis last)). Nothing from fp4jax is called but the quantizer under test.
+The reference is formats_reference.quantize_nvfp4, written from the rule (docs/numerics.md, "NVFP4"):
+numpy float32 arithmetic (IEEE, one rounding per operation, subnormals kept unless the rule flushes
+them), the E4M3 and E2M1 roundings onto grids decoded from the formats' bit fields with Python Fractions
+(nearest, ties to the even code; stochastic: up exactly when u < (a - lo) / (hi - lo), u the top 24 of
+the element's 32 bits from jax.random.bits(key, shape with the block axis last)); test_nvfp4_peers.py
+holds it against jax.nn's and torchao's quantizers. Nothing from fp4jax is called but the quantizer under
+test.
 
 Where torchao differs (torchao/prototype/mx_formats/nvfp4_tensor.py, nvfp4_quantize with a per-tensor
 scale): it stores the decode-direction per-tensor scale amax / 2688 rather than S_enc; it clamps the
@@ -26,117 +27,26 @@ block that holds NaN/Inf gets a NaN scale and +0 data, and the other blocks are 
 from __future__ import annotations
 
 import functools
-import math
-from fractions import Fraction
 
+import formats_reference as fref
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from mx_reference import minifloat_grid, round_on_grid
+from mx_reference import minifloat_grid
 
 from fp4jax.ops.nvfp4 import NVFP4Array, nvfp4_global_scale, quantize_nvfp4
 
 F32 = np.float32
-FLT_MAX = F32(np.finfo(np.float32).max)
-MIN_NORMAL = 2.0**-126
-BS = 16
+FLT_MAX = fref.FLT_MAX
+BS = fref.NVFP4_BLOCK
+E4M3_VALUES = fref.grid_values(fref.E4M3)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The reference.
-
-
-@functools.cache
-def grid(ebits: int, mbits: int, bias: int, nan_codes: tuple[int, ...] = ()):
-    """(finite magnitudes ascending, their codes), decoded from the bit fields."""
-    return minifloat_grid(ebits, mbits, bias, nan_codes)
-
-
-E2M1 = (2, 1, 1)
-E4M3 = (4, 3, 7, (0x7F,))
-
-
-def round_code(a: Fraction, fmt, u: Fraction | None = None) -> int:
-    """Code of magnitude a >= 0 on fmt's grid, saturating; nearest-even, or stochastic with uniform u."""
-    return round_on_grid(a, *grid(*fmt), "nearest_even" if u is None else "stochastic", u)
-
-
-def value_of(code: int, fmt) -> float:
-    values, codes = grid(*fmt)
-    return float(values[codes.index(code)])
-
-
-def flush(v) -> np.float32:
-    v = F32(v)
-    return F32(math.copysign(0.0, v)) if abs(float(v)) < MIN_NORMAL else v
-
-
-def ref_global_scale(amax: np.float32) -> np.float32:
-    if amax == 0:
-        return F32(1.0)
-    with np.errstate(over="ignore"):
-        return min(F32(2688.0) / F32(amax), FLT_MAX)
-
-
-def ref_block_scale(amax_b: np.float32, s_enc: np.float32):
-    """(E4M3 code, its value s_b, the element multiplier e_b) of a block with absolute maximum amax_b."""
-    with np.errstate(over="ignore"):
-        t = min(F32(amax_b) * (s_enc * F32(1.0 / 6.0)), F32(448.0))
-    s_code = round_code(Fraction(float(t)), E4M3)
-    s_b = F32(value_of(s_code, E4M3))
-    block_decode = flush(s_b * flush(F32(1.0) / s_enc))
-    with np.errstate(divide="ignore", over="ignore"):
-        return s_code, s_b, min(F32(1.0) / block_decode, FLT_MAX)
-
-
-def ref_nvfp4(x_last: np.ndarray, tile_rows: int, bits: np.ndarray | None = None, tensor_amax=None):
-    """x_last: (rows, n) float32, blocks of BS along the last axis, `tile_rows` = 1 (1D) or BS (2D tiles).
-
-    Returns dict of codes (uint8, E2M1 bytes with the sign at 0x8), scale bytes (E4M3, per block),
-    global scale, dequantized float32, and y = |x * e_b| (float64, the value the element rounding sees).
-    `tensor_amax`: the amax S_enc comes from, when x_last is part of a larger tensor.
-    """
-    rows, n = x_last.shape
-    finite = np.isfinite(x_last)
-    xs = np.array(
-        [
-            [flush(v) if f else F32(0) for v, f in zip(r, fr, strict=True)]
-            for r, fr in zip(x_last, finite, strict=True)
-        ]
-    )
-    s_enc = ref_global_scale(F32(np.max(np.abs(xs)) if tensor_amax is None else tensor_amax))
-    s_dec = flush(F32(1.0) / s_enc)
-    out = dict(
-        codes=np.zeros((rows, n), np.uint8),
-        scale=np.zeros((rows // tile_rows, n // BS), np.uint8),
-        deq=np.zeros((rows, n), np.float32),
-        y=np.zeros((rows, n)),
-        global_scale=s_enc,
-    )
-    for br in range(rows // tile_rows):
-        for bc in range(n // BS):
-            r0, c0 = br * tile_rows, bc * BS
-            cells = [(r, c) for r in range(r0, r0 + tile_rows) for c in range(c0, c0 + BS)]
-            if not all(finite[r, c] for r, c in cells):
-                out["scale"][br, bc] = 0x7F
-                for r, c in cells:
-                    out["deq"][r, c] = np.nan
-                continue
-            s_code, s_b, encode = ref_block_scale(max(abs(xs[r, c]) for r, c in cells), s_enc)
-            out["scale"][br, bc] = s_code
-            for r, c in cells:
-                with np.errstate(over="ignore"):
-                    y = min(abs(flush(xs[r, c] * encode)), F32(6.0))
-                u = None if bits is None else Fraction(int(bits[r, c]) >> 8, 2**24)
-                code = round_code(Fraction(float(y)), E2M1, u)
-                negative = np.signbit(xs[r, c])
-                out["codes"][r, c] = code | (0x8 if negative else 0)
-                magnitude = flush(F32(F32(value_of(code, E2M1)) * s_b) * s_dec)
-                out["deq"][r, c] = -magnitude if negative else magnitude
-                out["y"][r, c] = float(y)
-    return out
+def block_encode(amax_b, s_enc) -> np.float32:
+    """The element multiplier e_b of a block with absolute maximum amax_b (formats_reference.block_scale)."""
+    return F32(fref.block_scale(amax_b, s_enc)[1])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -167,11 +77,11 @@ def odd_tensor(seed: int) -> np.ndarray:
     step differently from the rule (x * S_enc / s_b, amax / 6 * S_enc, ...) flips some of them."""
     rng = np.random.default_rng(seed)
     top = F32(2688.0 * 1.37)
-    s_enc = ref_global_scale(top)
+    s_enc = fref.global_scale(top)
     first = rng.uniform(-1, 1, BS) * top
     first[0] = top
     blocks = [first]
-    e4m3 = [float(v) for v in grid(*E4M3)[0]]
+    e4m3 = E4M3_VALUES
     for t in [(a + b) / 2 for a, b in zip(e4m3[:-1], e4m3[1:], strict=True)][1::3]:
         amax = scale_target_amax(t, s_enc)
         if amax is not None:
@@ -179,7 +89,7 @@ def odd_tensor(seed: int) -> np.ndarray:
     mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
     while len(blocks) < 128:
         amax_b = F32(top * 2.0 ** rng.uniform(-12, 0))
-        _, _, encode = ref_block_scale(amax_b, s_enc)
+        encode = block_encode(amax_b, s_enc)
         row = [amax_b] + [solve_product(m, encode) for m in mids for _ in (0, 1)]
         row = [float(v) if v is not None else 0.0 for v in row][:BS]
         row += [0.0] * (BS - len(row))
@@ -214,7 +124,7 @@ def nice_tensor(k: int, seed: int) -> np.ndarray:
             row[1 : 1 + len(chunk)] = chunk
             blocks.append(row * 2.0 ** (j + k))
     s_enc = F32(2.0**-k)
-    e4m3 = [float(v) for v in grid(*E4M3)[0]]
+    e4m3 = E4M3_VALUES
     targets = [(a + b) / 2 for a, b in zip(e4m3[:-1], e4m3[1:], strict=True)][::9] + [2.0**-10, 3 * 2.0**-11]
     for t in targets:  # ties of the block-scale rounding
         amax = scale_target_amax(t, s_enc)
@@ -278,26 +188,26 @@ def _f32_same(got, want) -> np.ndarray:
     return (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
 
 
-def assert_matches(q: NVFP4Array, ref, what: str, transpose: bool = False):
+def assert_matches(q: NVFP4Array, ref: fref.RefNVFP4, what: str, transpose: bool = False):
     """q's arrays (transposed back when `transpose`) equal the reference's codes, scales and values."""
     t = (lambda a: np.asarray(a).T) if transpose else np.asarray
     assert q.data.dtype == jnp.float4_e2m1fn and q.scale.dtype == jnp.float8_e4m3fn, what
     gs = np.asarray(q.global_scale)
     assert gs.shape == () and gs.dtype == np.float32, what
-    assert gs.view(np.uint32) == ref["global_scale"].view(np.uint32), (what, gs, ref["global_scale"])
+    assert gs.view(np.uint32) == ref.s_enc.view(np.uint32), (what, gs, ref.s_enc)
     scale_bytes = t(q.scale).view(np.uint8)
-    assert scale_bytes.shape == ref["scale"].shape, (what, scale_bytes.shape)
-    bad = scale_bytes != ref["scale"]
+    assert scale_bytes.shape == ref.scale_bytes.shape, (what, scale_bytes.shape)
+    bad = scale_bytes != ref.scale_bytes
     assert not bad.any(), f"{what}: {bad.sum()} block scales differ, first {np.argwhere(bad)[0]}"
     codes = t(q.data).view(np.uint8)
-    bad = codes != ref["codes"]
+    bad = codes != ref.codes
     if bad.any():
         i = tuple(np.argwhere(bad)[0])
         raise AssertionError(
-            f"{what}: {bad.sum()} codes differ; at {i} got {codes[i]:#x} want {ref['codes'][i]:#x}"
+            f"{what}: {bad.sum()} codes differ; at {i} got {codes[i]:#x} want {ref.codes[i]:#x}"
         )
     for how, deq in (("eager", q.dequantize()), ("jitted", _dequantize(q))):
-        same = _f32_same(t(deq), ref["deq"])
+        same = _f32_same(t(deq), ref.dequantize())
         assert same.all(), f"{what}: {how} dequantized values differ at {np.argwhere(~same)[:4].tolist()}"
 
 
@@ -306,9 +216,12 @@ def assert_matches(q: NVFP4Array, ref, what: str, transpose: bool = False):
 
 
 def test_reference_grids_match_ml_dtypes():
-    for fmt, dtype, n in ((E2M1, ml_dtypes.float4_e2m1fn, 16), (E4M3, ml_dtypes.float8_e4m3fn, 256)):
+    for fmt, dtype, n in (
+        (fref.E2M1, ml_dtypes.float4_e2m1fn, 16),
+        (fref.E4M3, ml_dtypes.float8_e4m3fn, 256),
+    ):
         decoded = np.arange(n // 2, dtype=np.uint8).view(dtype).astype(np.float64)
-        values, codes = grid(*fmt)
+        values, codes = minifloat_grid(*fmt)
         assert [decoded[c] for c in codes] == [float(v) for v in values]
 
 
@@ -316,7 +229,7 @@ def test_global_scale_rule():
     """S_enc = 2688 / amax in float32, FLT_MAX where it overflows, 1 for amax = 0."""
     amaxes = [0.0, 1.0, 2688.0, 3.0, 1e-3, 7e-36, 8e-36, 2.0**-100, float(FLT_MAX), 12345.678]
     got = np.asarray(jax.jit(jax.vmap(nvfp4_global_scale))(jnp.asarray(amaxes, jnp.float32)))
-    want = np.array([ref_global_scale(F32(a)) for a in amaxes], np.float32)
+    want = np.array([fref.global_scale(a) for a in amaxes], np.float32)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert got[0] == 1.0 and got[1] == 2688.0 and got[2] == 1.0 and got[5] == FLT_MAX
 
@@ -328,10 +241,12 @@ def test_1d_blocks_match_the_reference(case):
     x = CASES[case]()
     key = jax.random.key(7)
     bits = np.asarray(jax.random.bits(key, x.shape, jnp.uint32))
-    assert_matches(_q(jnp.asarray(x)), ref_nvfp4(x, 1), f"{case}/rne")
-    assert_matches(_q(jnp.asarray(x), key, rounding="stochastic"), ref_nvfp4(x, 1, bits), f"{case}/sr")
+    assert_matches(_q(jnp.asarray(x)), fref.quantize_nvfp4(x, 1), f"{case}/rne")
+    assert_matches(
+        _q(jnp.asarray(x), key, rounding="stochastic"), fref.quantize_nvfp4(x, 1, bits), f"{case}/sr"
+    )
     # Blocks along axis 0 of x^T are x's blocks; the random bits are drawn with that axis last.
-    assert_matches(_q(jnp.asarray(x.T), axis=0), ref_nvfp4(x, 1), f"{case}/axis0", transpose=True)
+    assert_matches(_q(jnp.asarray(x.T), axis=0), fref.quantize_nvfp4(x, 1), f"{case}/axis0", transpose=True)
 
 
 @pytest.mark.parametrize("case", ["ties_k0", "random", "float32_max"])
@@ -340,7 +255,7 @@ def test_2d_tiles_match_the_reference_and_commute_with_transposition(case):
     x = CASES[case]()
     q = _q(jnp.asarray(x), block_2d=True)
     assert q.scale.shape == (2, 4)
-    assert_matches(q, ref_nvfp4(x, BS), f"{case}/2d")
+    assert_matches(q, fref.quantize_nvfp4(x, BS), f"{case}/2d")
     for axis in (0, 1):
         qt = _q(jnp.asarray(x.T), axis=axis, block_2d=True)
         np.testing.assert_array_equal(np.asarray(qt.data).view(np.uint8).T, np.asarray(q.data).view(np.uint8))
@@ -351,7 +266,9 @@ def test_2d_tiles_match_the_reference_and_commute_with_transposition(case):
     key = jax.random.key(3)
     bits = np.asarray(jax.random.bits(key, x.shape, jnp.uint32))
     assert_matches(
-        _q(jnp.asarray(x), key, block_2d=True, rounding="stochastic"), ref_nvfp4(x, BS, bits), "2d/sr"
+        _q(jnp.asarray(x), key, block_2d=True, rounding="stochastic"),
+        fref.quantize_nvfp4(x, BS, bits),
+        "2d/sr",
     )
     # The transposition property is the tiles': 1D blocks of W and W^T differ.
     q1, q1t = _q(jnp.asarray(x)), _q(jnp.asarray(x.T))
@@ -365,7 +282,7 @@ def test_2d_tiles_of_a_batched_array_along_the_second_to_last_axis():
     amax = F32(np.max(np.abs(x)))
     for i in range(2):
         sub = NVFP4Array(q.data[i], q.scale[i], q.global_scale, axis=0, block_size=BS, block_2d=True)
-        assert_matches(sub, ref_nvfp4(x[i], BS, tensor_amax=amax), f"batched 2d [{i}]")
+        assert_matches(sub, fref.quantize_nvfp4(x[i], BS, tensor_amax=amax), f"batched 2d [{i}]")
 
 
 def test_tiny_tensors_flush_to_zero_as_documented():
@@ -374,7 +291,7 @@ def test_tiny_tensors_flush_to_zero_as_documented():
     x = (np.random.default_rng(9).uniform(-1, 1, (32, 64)) * 2.0**-116).astype(np.float32)
     x[0, 0] = 2.0**-116  # S_enc = 2688 * 2^116 (normal), S_dec = 2^-127.4 (subnormal)
     q = _q(jnp.asarray(x))
-    assert_matches(q, ref_nvfp4(x, 1), "tiny 2^-116")
+    assert_matches(q, fref.quantize_nvfp4(x, 1), "tiny 2^-116")
     assert (np.asarray(q.dequantize()) == 0).all()
 
 
@@ -384,7 +301,7 @@ def test_nonfinite_blocks_get_a_nan_scale_and_spare_the_rest():
     bad[0, 3], bad[5, 40], bad[9, 17] = np.nan, np.inf, -np.inf
     for block_2d, tile in ((False, 1), (True, BS)):
         q = _q(jnp.asarray(bad), block_2d=block_2d)
-        assert_matches(q, ref_nvfp4(bad, tile), f"non-finite, 2d={block_2d}")
+        assert_matches(q, fref.quantize_nvfp4(bad, tile), f"non-finite, 2d={block_2d}")
         deq = np.asarray(q.dequantize())
         assert np.isnan(deq[0, :16]).all() and np.isnan(deq[5, 32:48]).all()
         healthy = ~np.isnan(deq)
@@ -399,12 +316,12 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     """N = 1000 keys: every sample is one of the two E2M1 neighbours of y = |x * e_b|, and each element's
     mean is within 5 sigma (sigma = (hi - lo) sqrt(p (1 - p) / N)) of E[q] = y for y <= 6."""
     x = CASES["ties_k0"]()[:8]
-    ref = ref_nvfp4(x, 1)
+    ref = fref.quantize_nvfp4(x, 1)
     n = 1000
     keys = jax.random.split(jax.random.key(5), n)
     sample = jax.jit(jax.vmap(lambda k: quantize_nvfp4(jnp.asarray(x), rounding="stochastic", key=k).data))
     q = np.abs(np.asarray(sample(keys)).astype(np.float64))
-    y = ref["y"]
+    y = ref.y
     g = np.array([0.0, 0.5, 1, 1.5, 2, 3, 4, 6])
     i = np.clip(np.searchsorted(g, y, side="right") - 1, 0, 6)
     lo, hi = g[i], np.where(y >= 6, 6.0, g[i + 1])
@@ -454,4 +371,4 @@ def test_nvfp4_array_is_a_pytree_and_dequantizes_to_bfloat16():
 
 def test_bfloat16_input_is_quantized_from_its_float32_values():
     x = CASES["odd_scales"]().astype(ml_dtypes.bfloat16)
-    assert_matches(_q(jnp.asarray(x)), ref_nvfp4(x.astype(np.float32), 1), "bf16 input")
+    assert_matches(_q(jnp.asarray(x)), fref.quantize_nvfp4(x.astype(np.float32), 1), "bf16 input")

@@ -24,10 +24,12 @@ zero. jax.nn follows TE there.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 
+import formats_reference as fref
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -84,6 +86,15 @@ def te_rule(x: np.ndarray) -> dict:
         "code": np.asarray(q.data.astype(jnp.float32)),
         "s_dec": F32(1.0) / np.asarray(q.global_scale, F32),
     }
+
+
+@functools.cache
+def _reference_rule(case: str) -> dict:
+    """The tests' NVFP4 reference (formats_reference.quantize_nvfp4, written from TE's rule) in te_rule's
+    form, for one of the cases."""
+    ref = fref.quantize_nvfp4(_case(case))
+    code = ref.codes.view(ml_dtypes.float4_e2m1fn).astype(F32)
+    return {"scale": ref.scales.astype(F32), "code": code, "s_dec": ref.s_dec}
 
 
 def torchao_rule(x: np.ndarray) -> dict:
@@ -245,3 +256,23 @@ def test_jax_nn_keeps_te_subnormal_block_scales(jax_nn):
     assert np.mean(te["scale"] < E4M3_SMALLEST_NORMAL) > 0.9  # the case does exercise them
     _assert_scales_agree_but_for_torchaos_floor(te, peer, False, "jax.nn, outliers_1e5")
     assert _assert_differences_are_midpoint_roundings(x, te, peer, "jax.nn, outliers_1e5") <= 2
+
+
+@pytest.mark.parametrize("peer", ["jax.nn", "torchao"])
+@pytest.mark.parametrize("case", ["lognormal", "outliers_1e4"])
+def test_the_tests_reference_meets_the_peers_as_te_does(case, peer, request):
+    """The one NVFP4 reference the tests hold quantize_nvfp4 to (formats_reference) stands where TE's rule
+    stands against both peers: the same scales but for torchao's floor, codes apart only by a quotient's
+    last bit; and it is TE's rule here too (quantize_nvfp4's scales, codes and S_dec)."""
+    x = _case(case)
+    ref, te = _reference_rule(case), te_rule(x)
+    for key in ("scale", "code", "s_dec"):
+        np.testing.assert_array_equal(ref[key], te[key], err_msg=f"{case}: reference {key} against TE's rule")
+    other = torchao_rule(x) if peer == "torchao" else request.getfixturevalue("jax_nn")[case]
+    floored = _assert_scales_agree_but_for_torchaos_floor(
+        ref, other, peer == "torchao", f"ref/{peer}, {case}"
+    )
+    differing = _assert_differences_are_midpoint_roundings(
+        x, ref, _codes_outside(ref, other, floored), f"ref/{peer}, {case}"
+    )
+    assert differing <= 2, f"reference against {peer}, {case}: {differing} codes differ"

@@ -1,5 +1,6 @@
 """The shape of fp4jax.ops: one public face, no import circle, no module state, no environment.
 
+- `fp4jax.ops.__all__` is the list docs/api.md documents, name for name, and every name resolves.
 - Every module under fp4jax/ops declares `__all__`, and every name in it exists.
 - Outside fp4jax/ops, what is imported from fp4jax.ops itself is public (its `__all__`); internal names
   are imported from their own modules.
@@ -15,10 +16,12 @@ import ast
 import dataclasses
 import importlib
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import module_name
 
 import fp4jax.ops
 from fp4jax.ops import get_recipe, mx_dot_general
@@ -27,32 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fp4jax"
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _top_level_imports(path: pathlib.Path, modules=()) -> set[str]:
-    """The fp4jax modules a file imports at module level (not inside functions). `from fp4jax.ops import
-    quantize` imports the submodule fp4jax.ops.quantize where that is one of `modules` (the package's
-    __init__ then runs first, but it is already running whenever one of its submodules is imported)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("fp4jax")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fp4jax"):
-            submodules = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
-            found |= submodules or {node.module}
-    return found
-
-
-def _all_modules() -> dict[str, pathlib.Path]:
-    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-
-
 @pytest.mark.parametrize("path", sorted((PACKAGE / "ops").rglob("*.py")), ids=lambda p: p.name)
 def test_every_ops_module_declares_all_and_it_is_true(path):
-    module = importlib.import_module(_module_name(path))
+    module = importlib.import_module(module_name(path))
     assert hasattr(module, "__all__"), f"{path.relative_to(ROOT)} has no __all__"
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing, f"{path.relative_to(ROOT)}: __all__ names {missing} that do not exist"
@@ -103,6 +83,47 @@ def test_the_library_reads_no_environment_variable_while_tracing(recipe, monkeyp
     if recipe == "mxfp4_full_h16":
         xla = dataclasses.replace(get_recipe(recipe), quantizer="xla")
         assert _program(xla, x, w, dy) != want
+
+
+def _documented_names() -> list[str]:
+    """The names docs/api.md's "Public API" section lists, one bullet "- `name`: what it is" each."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    section = text.split("\n## Public API\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^- `([A-Za-z_][A-Za-z0-9_]*)`: \S", section, flags=re.MULTILINE)
+
+
+def test_the_public_face_is_the_documented_list():
+    documented = _documented_names()
+    assert len(documented) == len(set(documented)), "docs/api.md lists a name twice"
+    assert sorted(documented) == sorted(fp4jax.ops.__all__), (
+        f"only documented: {sorted(set(documented) - set(fp4jax.ops.__all__))}, "
+        f"only in __all__: {sorted(set(fp4jax.ops.__all__) - set(documented))}"
+    )
+    assert 25 <= len(documented) <= 35  # a face a model author can hold in mind
+    for name in documented:
+        assert getattr(fp4jax.ops, name) is not None, name
+    namespace = {}
+    exec("from fp4jax.ops import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(documented)
+
+
+def test_the_internal_names_stay_importable_from_their_modules():
+    """What the trainer, the tools and the benchmarks use from inside is there, in the module docs/api.md
+    names (the face no longer re-exports it)."""
+    internal = {
+        "fp4jax.ops.quantized_dot": ["quantize_operand", "quantize_gemm_operands", "operand_layouts"],
+        "fp4jax.ops.kernels.fused_quantize": ["rotate_quantize", "KernelConfig", "pallas_supports"],
+        "fp4jax.ops.kernels.fold": ["fold_mx_to_fp8", "is_foldable", "count_fold_flushes", "FoldedOperand"],
+        "fp4jax.ops.kernels.backends": ["fp8_matmul", "fp8_unfolded", "matmul"],
+        "fp4jax.ops.kernels.probes": ["describe_device", "choose_backend", "scaled_in_epilogue"],
+        "fp4jax.ops.quantize": ["fp8_amax_history_update", "fp8_scale_from_history", "ldexp_exact"],
+        "fp4jax.ops.packing": ["PackedMXArray", "PackedNVFP4Array", "PACKED_BITS"],
+        "fp4jax.ops.recipes": ["resolve_recipe"],
+    }
+    for module, names in internal.items():
+        imported = importlib.import_module(module)
+        assert set(names) <= set(imported.__all__), module
+        assert not set(names) & set(fp4jax.ops.__all__), module
 
 
 def test_the_public_face_lists_what_models_import():

@@ -1,9 +1,10 @@
-"""tests/ordering.py: the slow modules are dealt between pytest-xdist's workers, every test still runs;
-tests/long_lane.py: which parametrized cases the long lane takes."""
+"""tests/ordering.py: the slow modules, by their tests' measured seconds, are dealt between pytest-xdist's
+workers and every test still runs; tests/long_lane.py: which parametrized cases the long lane takes."""
 
 import long_lane
 import ordering
 import pytest
+import shards
 
 SECONDS = {"slow_a.py": 100, "slow_b.py": 60, "slow_c.py": 50, "slow_d.py": 10}
 # Collection order: fast modules between the slow ones, as the file names fall.
@@ -58,13 +59,25 @@ def test_a_module_larger_than_a_run_still_runs_once():
     assert sorted(order) == list(range(12)) and order[:9] == list(range(9))
 
 
-def test_each_lane_is_dealt_by_its_own_seconds_and_both_by_their_sum():
-    assert ordering.lane_seconds("not slow") is ordering.DEFAULT_LANE
-    assert ordering.lane_seconds(" slow ") is ordering.LONG_LANE
-    both = ordering.lane_seconds("")
-    assert both["test_multiprocess.py"] == ordering.LONG_LANE["test_multiprocess.py"]
-    default, long = ordering.DEFAULT_LANE, ordering.LONG_LANE
-    assert both["test_train.py"] == default["test_train.py"] + long["test_train.py"]
+def test_modules_are_weighed_by_their_collected_tests_measured_seconds():
+    measured = {"tests/slow_a.py::t[1]": 4.0, "tests/slow_a.py::t[2]": 3.0, "tests/b.py::t": 4.9}
+    measured["tests/slow_a.py::only_in_the_other_lane"] = 100.0
+    collected = ["tests/slow_a.py::t[1]", "tests/slow_a.py::t[2]", "tests/b.py::t", "tests/new.py::t"]
+    # slow_a: 7 s of collected tests (the other lane's test does not count); b under the threshold; new
+    # unmeasured
+    assert ordering.module_seconds(collected, measured) == {"slow_a.py": 7.0}
+    assert ordering.module_seconds(collected[2:], measured) == {}
+    with_other = ordering.module_seconds([*collected, "tests/slow_a.py::only_in_the_other_lane"], measured)
+    assert with_other == {"slow_a.py": 107.0}
+
+
+def test_the_measured_file_weighs_the_default_lanes_slow_modules():
+    """The committed file is read, and it names slow modules of the default lane (a file that lost its
+    measurements would leave the suite in collection order, slower, silently)."""
+    measured = shards.load_seconds(ordering.SECONDS_FILE)
+    assert measured, f"{ordering.SECONDS_FILE} is missing or empty"
+    slow = ordering.module_seconds(list(measured), measured)
+    assert len(slow) >= 5 and all(m.startswith("test_") and m.endswith(".py") for m in slow)
 
 
 def _lanes(values) -> list[str]:

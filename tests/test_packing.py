@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax.ops import MXArray, PackedMXArray, pack_mx, pack_nvfp4, quantize_mx, quantize_nvfp4
+from fp4jax.ops import MXArray, pack_mx, pack_nvfp4, quantize_mx, quantize_nvfp4
 from fp4jax.ops.formats import get_elem_format
+from fp4jax.ops.packing import PackedMXArray
 
 # (bits, exponent bits, mantissa bits, bias) of each packed format.
 LAYOUT = {"e2m1": (4, 2, 1, 1), "e2m3": (6, 2, 3, 1), "e3m2": (6, 3, 2, 3)}

@@ -1,13 +1,11 @@
 """benchmarks/probe_repeatability.py: runs compared bit for bit, per update, within and across processes."""
 
-import os
 import sys
 
 import pytest
+from helpers import benchmark_script
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import probe_repeatability as probe  # noqa: E402
+probe = benchmark_script("probe_repeatability")
 
 
 def _run(losses, norms=None):

@@ -15,7 +15,8 @@ import mx_reference as ref
 import numpy as np
 import pytest
 
-from fp4jax.ops import fp8_amax_history_update, fp8_scale_from_history, quantize_fp8, quantize_mx
+from fp4jax.ops import quantize_fp8, quantize_mx
+from fp4jax.ops.quantize import fp8_amax_history_update, fp8_scale_from_history
 
 ELEMS = ("e2m1", "e4m3", "e5m2")
 SCALE_MODES = ("floor", "even", "ceil")

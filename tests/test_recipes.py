@@ -26,14 +26,14 @@ from fp4jax.ops.recipes import (
 STAGES = ("fprop", "dgrad", "wgrad")
 
 
-def _operands(recipe):
+def _operand_specs(recipe):
     return [
         (stage, side, getattr(getattr(recipe, stage), side)) for stage in STAGES for side in ("lhs", "rhs")
     ]
 
 
 def _has_fp8(recipe) -> bool:
-    return any(s.kind == "fp8" for *_, s in _operands(recipe))
+    return any(s.kind == "fp8" for *_, s in _operand_specs(recipe))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def test_presets_set_their_mx_scale_rule_explicitly():
     rule (MXFP6 the MXFP4 operand's, so a format comparison changes the elements only) and MXFP8 operands
     NVIDIA's "ceil" rule; mxfp4_full_oas is the one preset of qwix's "oas" rule."""
     for name, recipe in PRESETS.items():
-        for stage, side, spec in _operands(recipe):
+        for stage, side, spec in _operand_specs(recipe):
             if spec.kind == "mx":
                 want = "even" if spec.elem in ("e2m1", "e2m3", "e3m2") else "ceil"
                 want = "oas" if name == "mxfp4_full_oas" else want
@@ -62,7 +62,7 @@ def test_presets_set_their_mx_scale_rule_explicitly():
 
 def test_fp8_mlperf_is_te_hybrid_delayed_history_4_most_recent():
     r = PRESETS["fp8_mlperf"]
-    formats = {(stage, side): (s.kind, s.elem, s.fp8_scaling) for stage, side, s in _operands(r)}
+    formats = {(stage, side): (s.kind, s.elem, s.fp8_scaling) for stage, side, s in _operand_specs(r)}
     assert formats == {
         ("fprop", "lhs"): ("fp8", "e4m3", "delayed"),  # x
         ("fprop", "rhs"): ("fp8", "e4m3", "delayed"),  # W
@@ -83,7 +83,7 @@ def test_with_fp8_scaling_changes_only_fp8_scaling(name, mode):
     if mode == "preset" or not _has_fp8(preset):
         assert got == preset
         return
-    for (_, _, a), (_, _, b) in zip(_operands(preset), _operands(got), strict=True):
+    for (_, _, a), (_, _, b) in zip(_operand_specs(preset), _operand_specs(got), strict=True):
         if a.kind == "fp8":
             assert b == dataclasses.replace(a, fp8_scaling=mode)
         else:

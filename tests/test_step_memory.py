@@ -1,22 +1,17 @@
 """benchmarks/step_memory.py: the live-range parser, and one compile-only run on the tiny config."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
+from helpers import benchmark_script
 from tiny_runs import subprocess_env
 
 from fp4jax.training.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(
-    0, os.path.join(ROOT, "benchmarks")
-)  # as when the script runs: bench_train, harness beside it
-_spec = importlib.util.spec_from_file_location("sm", os.path.join(ROOT, "benchmarks", "step_memory.py"))
-sm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sm)
+sm = benchmark_script("step_memory")
 
 LIVE_RANGE = """HloLiveRange (max 5):
   BufferLiveRange:

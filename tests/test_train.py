@@ -6,9 +6,11 @@ Faults (bad checkpoints, signals, bad input, a full disk) are in test_faults.py.
 CPU devices of conftest.py (helpers: tiny_runs.py).
 """
 
+import contextlib
 import functools
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +64,11 @@ def test_weight_decay_skips_norm_scales():
 # ------------------------------------------------------------------------------------ sharded step
 
 
-def _one_update(config, mesh, tokens, with_opt_state=False):
-    """One update of `tokens` on `mesh`: its metrics, its change to every parameter, its shardings (and
-    the optimizer state after it)."""
+@contextlib.contextmanager
+def _train_step(config, mesh):
+    """Inside `mesh`'s sharding context, the trainer's jitted step of `config` (a 256-token vocabulary):
+    .train_fn, .state (freshly initialised), .shardings, .init() (another fresh state) and .batch(tokens)
+    (inputs and targets of (batch, seq_len + 1) tokens, on the mesh)."""
 
     class Tok:
         name, vocab_size = "test", 256
@@ -72,11 +76,29 @@ def _one_update(config, mesh, tokens, with_opt_state=False):
     with sharding_context(mesh):
         model, _ = setup.build_model(config, Tok())
         tx, schedule = make_optimizer(config.optimizer)
-        state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
-        initial = jax.device_get(state.params)
-        train_fn, _ = setup.jit_steps(config, model, tx, schedule, mesh, shardings)
-        batch = setup.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
-        state, step_metrics = train_fn(state, batch, jax.random.key(7))
+
+        def init():
+            return setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
+
+        state, shardings = init()
+        yield types.SimpleNamespace(
+            train_fn=setup.jit_steps(config, model, tx, schedule, mesh, shardings)[0],
+            state=state,
+            shardings=shardings,
+            init=lambda: init()[0],
+            batch=lambda tokens: setup.device_batch(
+                {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh
+            ),
+        )
+
+
+def _one_update(config, mesh, tokens, with_opt_state=False):
+    """One update of `tokens` on `mesh`: its metrics, its change to every parameter, its shardings (and
+    the optimizer state after it)."""
+    with _train_step(config, mesh) as step:
+        initial = jax.device_get(step.state.params)
+        shardings = step.shardings
+        state, step_metrics = step.train_fn(step.state, step.batch(tokens), jax.random.key(7))
     update = jax.tree.map(lambda new, old: new - old, jax.device_get(state.params), initial)
     if with_opt_state:
         return jax.device_get(step_metrics), update, shardings, state.opt_state
@@ -166,21 +188,14 @@ def test_stochastic_rounding_keys_differ_per_step_and_layer_and_repeat_per_seed(
     config = _tiny_float32(token_cache, recipe="mxfp4_full_sr")
     tokens = np.random.default_rng(2).integers(0, 256, (8, 33)).astype(np.int32)
 
-    class Tok:
-        name, vocab_size = "test", 256
-
-    with sharding_context(ONE_DEVICE):
-        model, _ = setup.build_model(config, Tok())
-        tx, schedule = make_optimizer(config.optimizer)
-        _, shardings = setup.init_train_state(model, tx, ONE_DEVICE, config.seed, config.seq_len)
-        train_fn, _ = setup.jit_steps(config, model, tx, schedule, ONE_DEVICE, shardings)
-        batch = setup.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, ONE_DEVICE)
+    with _train_step(config, ONE_DEVICE) as step:
+        batch = step.batch(tokens)
 
         def keys_of_updates(seed: int, updates: int) -> list[list[bytes]]:
-            state, _ = setup.init_train_state(model, tx, ONE_DEVICE, config.seed, config.seq_len)
+            state = step.init()
             per_update = []
             for _ in range(updates):
-                state, step_metrics = train_fn(state, batch, setup.quant_key(seed))
+                state, step_metrics = step.train_fn(state, batch, setup.quant_key(seed))
                 jax.block_until_ready(step_metrics)
                 jax.effects_barrier()
                 per_update.append(list(drawn))

@@ -13,7 +13,7 @@ here is also exported by fp4jax.ops itself (`from fp4jax.ops import mx_dot_gener
 """
 
 from fp4jax.ops.flax_adapters import NnxQuantDotGeneral, QuantDotGeneral
-from fp4jax.ops.quantized_dot import make_dot_general, mx_dot_general, operand_layouts
+from fp4jax.ops.quantized_dot import make_dot_general, mx_dot_general
 from fp4jax.ops.recipes import PRESETS, GemmSpec, QuantSpec, Recipe, RotationSpec, get_recipe
 
 __all__ = [
@@ -27,5 +27,4 @@ __all__ = [
     "get_recipe",
     "make_dot_general",
     "mx_dot_general",
-    "operand_layouts",
 ]

@@ -29,6 +29,7 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fp4jax.models.llama import LlamaConfig, llama_config, stack_layer_params, unstack_layer_params
@@ -227,21 +228,11 @@ def read_leaf(step_dir: str, path: tuple[str, ...]) -> np.ndarray:
     """One saved param (the whole array, float32 as saved) into host memory, read alone."""
     metadata = flat_tree(params_metadata(step_dir))[path]
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    item = _nested({path: jax.ShapeDtypeStruct(metadata.shape, metadata.dtype)})
-    value = _restore(step_dir, item, _nested({path: ocp.ArrayRestoreArgs(sharding=cpu)}))
+    item = traverse_util.unflatten_dict({path: jax.ShapeDtypeStruct(metadata.shape, metadata.dtype)})
+    value = _restore(step_dir, item, traverse_util.unflatten_dict({path: ocp.ArrayRestoreArgs(sharding=cpu)}))
     for key in path:
         value = value[key]
     return np.asarray(value)
-
-
-def _nested(flat: dict) -> dict:
-    tree = {}
-    for keys, value in flat.items():
-        node = tree
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
-    return tree
 
 
 def _restore_params(step_dir: str, abstract: dict) -> dict:
@@ -291,7 +282,7 @@ def _saved_abstract(saved_tree: dict, run_shardings: dict, mesh) -> dict:
         else:
             spec = top[keys].spec
         out[keys] = jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=NamedSharding(mesh, spec))
-    return _nested(out)
+    return traverse_util.unflatten_dict(out)
 
 
 def _relayout(params: dict, saved_cfg: LlamaConfig, run_cfg: LlamaConfig) -> dict:
