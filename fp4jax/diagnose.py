@@ -219,6 +219,17 @@ def table(results: dict, quantity: str = "out_rel_err") -> str:
     return "\n".join(lines)
 
 
+def _rounded(obj):
+    """obj with every float to 6 significant digits (nested dicts and lists; other values as they are)."""
+    if isinstance(obj, float):
+        return float(f"{obj:.6g}")
+    if isinstance(obj, dict):
+        return {k: _rounded(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_rounded(v) for v in obj]
+    return obj
+
+
 def plot(results: dict, path: str, quantity: str = "out_rel_err") -> None:
     """Grouped bars (a group per layer kind, a bar per recipe), one panel per GEMM output, log scale."""
     import matplotlib
@@ -368,7 +379,9 @@ def main(argv=None) -> int:
         f"mean over layers; {result['batches']} batch(es) of {result['batch']} x {result['seq_len']} tokens, "
         f"{result['data']} data; operands from one bf16 forward/backward\n{text}"
     )
-    write_json(result, os.path.join(out, "diagnose.json"), sort_keys=False)  # recipes in command-line order
+    # Recipes in command-line order; every figure to 6 significant digits (float32 measurements, whose
+    # seventh digit is noise between draws), which keeps the committed reports small.
+    write_json(_rounded(result), os.path.join(out, "diagnose.json"), sort_keys=False)
     with open(os.path.join(out, "diagnose.txt"), "w", encoding="utf-8") as f:
         f.write(text + "\n")
     plot(result["recipes"], os.path.join(out, "diagnose.png"))
