@@ -97,15 +97,16 @@ class RefNVFP4:
     blocks that held NaN/Inf), the E4M3 scales per block (float64 values), S_enc and S_dec (float32),
     and y = min(|x e_b|, 6), the magnitude the element rounding saw (float64). As stored: `codes`, the
     E2M1 bytes (sign at 0x8; +0 in blocks that held NaN/Inf), and `scale_bytes`, the E4M3 bytes of the
-    scales (0x7F, NaN, for those blocks)."""
+    scales (0x7F, NaN, for those blocks); None where a reference compares values only (Four-over-Six's
+    and MS-EDEN's, whose tests hold the library's codes and scales to these values)."""
 
     block_values: np.ndarray
     scales: np.ndarray
     s_enc: np.float32
     s_dec: np.float32
     y: np.ndarray
-    codes: np.ndarray
-    scale_bytes: np.ndarray
+    codes: np.ndarray | None = None
+    scale_bytes: np.ndarray | None = None
 
     def dequantize(self) -> np.ndarray:
         """(q * s_b) * S_dec, one float32 rounding, subnormals flushed."""
