@@ -160,12 +160,12 @@ def test_gradients_are_clipped_to_global_norm_1(token_cache):
     assert tiny_config(token_cache).optimizer.clip_grad_norm == 1.0 and grad_norm > 1.5
     norm = float(np.sqrt(sum(np.sum(np.square(m, dtype=np.float64)) for m in moments[1.0])))
     assert norm == pytest.approx((1 - b1) * 1.0, rel=1e-5)
+    # Entries many orders below the largest moment (whole leaves of them where the constant batch leaves
+    # a gradient of about 0) are float32 cancellation residue whose bits differ between jax versions:
+    # compare them against the largest moment of all, not their own size.
+    scale = max(float(np.max(np.abs(m))) for m in moments[0.0]) / grad_norm
     for clipped, unclipped in zip(moments[1.0], moments[0.0], strict=True):
-        expected = unclipped / grad_norm
-        # Entries many orders below a leaf's largest are float32 cancellation residue whose last bits
-        # differ between jax versions: compare them against the leaf's scale, not their own.
-        scale = float(np.max(np.abs(expected)))
-        np.testing.assert_allclose(clipped, expected, rtol=1e-5, atol=1e-6 * scale)
+        np.testing.assert_allclose(clipped, unclipped / grad_norm, rtol=1e-5, atol=1e-6 * scale)
 
 
 def test_stochastic_rounding_keys_differ_per_step_and_layer_and_repeat_per_seed(token_cache, monkeypatch):
