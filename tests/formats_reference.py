@@ -114,17 +114,23 @@ class RefNVFP4:
             return flush(self.block_values.astype(F32) * self.s_dec)
 
 
-def quantize_nvfp4(x, tile_rows: int = 1, bits: np.ndarray | None = None, tensor_amax=None) -> RefNVFP4:
-    """x (..., F, C) float32 in NVFP4 along C: blocks of 16 along C (tile_rows 1) or 16 x 16 tiles of
-    (F, C) (tile_rows 16); stochastic rounding with the uint32 `bits` (x's shape), else nearest even.
-    `tensor_amax`: the amax S_enc comes from where x is part of a larger tensor (default: x's own)."""
+def _nvfp4_tiles(x, tile_rows: int):
+    """x (..., F, C) float32 as NVFP4 tiles (..., F / rows, rows, C / 16, 16), the tile axes, which tiles
+    hold only finite values, and the tiles with non-finite values zeroed and subnormals flushed."""
     x = np.asarray(x, F32)
     *lead, f, c = x.shape
     tiles = x.reshape(*lead, f // tile_rows, tile_rows, c // NVFP4_BLOCK, NVFP4_BLOCK)
     axes = (-3, -1)
     finite = np.isfinite(tiles)
     healthy = np.all(finite, axis=axes, keepdims=True)
-    xs = flush(np.where(finite, tiles, F32(0)))
+    return tiles, axes, healthy, flush(np.where(finite, tiles, F32(0)))
+
+
+def quantize_nvfp4(x, tile_rows: int = 1, bits: np.ndarray | None = None, tensor_amax=None) -> RefNVFP4:
+    """x (..., F, C) float32 in NVFP4 along C: blocks of 16 along C (tile_rows 1) or 16 x 16 tiles of
+    (F, C) (tile_rows 16); stochastic rounding with the uint32 `bits` (x's shape), else nearest even.
+    `tensor_amax`: the amax S_enc comes from where x is part of a larger tensor (default: x's own)."""
+    tiles, axes, healthy, xs = _nvfp4_tiles(x, tile_rows)
     s_enc = global_scale(np.max(np.abs(xs)) if tensor_amax is None else tensor_amax)
     s_dec = flush(F32(1.0) / s_enc)[()]
     s_b, e_b = block_scale(np.max(np.abs(xs), axis=axes, keepdims=True), s_enc)
@@ -170,13 +176,7 @@ def quantize_nvfp4_4over6(x, tile_rows: int = 1, measure: str = "mse") -> RefNVF
     encodes; its error sum over a block row, in element order, of |v - x| ("mae") or (v - x)^2 ("mse")
     with v = ((q * s_b) * amax) / (6 * 256); a 16 x 16 tile adds its rows' errors as a halving tree; the
     map-to-4 candidate where its error is strictly smaller. float32 throughout, flushed to zero."""
-    x = np.asarray(x, F32)
-    *lead, f, c = x.shape
-    tiles = x.reshape(*lead, f // tile_rows, tile_rows, c // NVFP4_BLOCK, NVFP4_BLOCK)
-    axes = (-3, -1)
-    finite = np.isfinite(tiles)
-    healthy = np.all(finite, axis=axes, keepdims=True)
-    xs = flush(np.where(finite, tiles, F32(0)))
+    tiles, axes, healthy, xs = _nvfp4_tiles(x, tile_rows)
     amax = F32(np.max(np.abs(xs)))
     candidates = []
     with np.errstate(over="ignore", divide="ignore"):

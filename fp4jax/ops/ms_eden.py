@@ -30,7 +30,7 @@ from jax import lax
 
 from fp4jax.ops import formats
 from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, f32_bits
-from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4Array, flush_subnormal
+from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4Array, as_nvfp4_array, flush_subnormal
 from fp4jax.ops.quantize import round_to_grid, stochastic_bits
 
 __all__ = ["MS_EDEN_GROUP", "MS_EDEN_SCALE_MAX", "MS_EDEN_VAL_MAX", "quantize_ms_eden"]
@@ -117,12 +117,5 @@ def quantize_ms_eden(
     data = jnp.where(healthy, q, 0.0).astype(formats.E2M1.dtype)
     scale_bits = lax.bitcast_convert_type(scale.astype(jnp.float8_e4m3fn), jnp.uint8)
     scale_bits = jnp.where(healthy[..., 0], scale_bits, jnp.uint8(_E4M3_NAN_BITS))
-    scale = lax.bitcast_convert_type(scale_bits.reshape(*lead, n // NVFP4_BLOCK_SIZE), jnp.float8_e4m3fn)
-    return NVFP4Array(
-        data=jnp.moveaxis(data.reshape(x_last.shape), -1, axis),
-        scale=jnp.moveaxis(scale, -1, axis),
-        global_scale=global_scale,
-        axis=axis,
-        block_size=NVFP4_BLOCK_SIZE,
-        block_2d=False,
-    )
+    scale_bits = scale_bits.reshape(*lead, n // NVFP4_BLOCK_SIZE)
+    return as_nvfp4_array(data, scale_bits, global_scale, x_last.shape, axis, NVFP4_BLOCK_SIZE, False)

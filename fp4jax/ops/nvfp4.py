@@ -52,6 +52,7 @@ __all__ = [
     "NVFP4Array",
     "NVFP4_BLOCK_SIZE",
     "NVFP4_ROUNDING_MODES",
+    "as_nvfp4_array",
     "flush_subnormal",
     "nvfp4_global_scale",
     "quantize_nvfp4",
@@ -294,9 +295,18 @@ def quantize_nvfp4(
     data = jnp.where(healthy, signed, 0.0).astype(formats.E2M1.dtype)
 
     scale_bits = jnp.where(healthy, lax.bitcast_convert_type(s_b, jnp.uint8), jnp.uint8(_E4M3_NAN_BITS))
-    scale = lax.bitcast_convert_type(jnp.squeeze(scale_bits, block_axes), jnp.float8_e4m3fn)
+    return as_nvfp4_array(
+        data, jnp.squeeze(scale_bits, block_axes), global_scale, x_last.shape, axis, block_size, block_2d
+    )
+
+
+def as_nvfp4_array(data, scale_bits, global_scale, last_shape, axis: int, block_size: int, block_2d: bool):
+    """The NVFP4Array of E2M1 `data` (any blocking of x with the contraction axis moved last, shape
+    `last_shape` when reshaped) and the E4M3 bytes of its block scales (blocks along the last axis), both
+    moved back to `axis`: the one place a quantizer's codes become the stored operand."""
+    scale = lax.bitcast_convert_type(scale_bits, jnp.float8_e4m3fn)
     return NVFP4Array(
-        data=jnp.moveaxis(data.reshape(x_last.shape), -1, axis),
+        data=jnp.moveaxis(data.reshape(last_shape), -1, axis),
         scale=jnp.moveaxis(scale, -1, axis),
         global_scale=global_scale,
         axis=axis,
