@@ -541,9 +541,9 @@ def test_pallas_stochastic_lowers_to_triton_without_a_gpu():
         assert "triton" in text
 
 
-def test_pallas_stochastic_with_key_words_lowers_to_triton_without_a_gpu():
-    """The kernels that draw their own bits (threefry's uint32 adds, xors, shifts; the key words read as
-    two scalars) lower to Triton for both layouts and every output method."""
+def _assert_lowers_to_triton(spec) -> None:
+    """The kernels that draw their own bits for `spec` lower to Triton (no GPU needed) for both layouts and
+    every output method."""
     from fp4jax.ops.kernels import fused_quantize_pallas as kernels
 
     x = jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16)
@@ -552,10 +552,16 @@ def test_pallas_stochastic_with_key_words_lowers_to_triton_without_a_gpu():
 
         def run(x, w, column=column, out=out, rotation=rotation):
             return kernels.rotate_quantize_3d(
-                x, column, SR_PRESCALE, rotation, None, None, out, False, fq.KernelConfig(), w
+                x, column, spec, rotation, None, None, out, False, fq.KernelConfig(), w
             )
 
         assert "triton" in jax.jit(run).trace(x, words).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_pallas_stochastic_with_key_words_lowers_to_triton_without_a_gpu():
+    """The kernels that draw their own bits (threefry's uint32 adds, xors, shifts; the key words read as
+    two scalars) lower to Triton for both layouts and every output method."""
+    _assert_lowers_to_triton(SR_PRESCALE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -736,19 +742,7 @@ def test_pallas_draws_threefry13_bits_in_both_layouts_by_default(case):
 
 def test_pallas_threefry13_lowers_to_triton_without_a_gpu():
     """The kernels drawing generator threefry13 (pairs of words interleaved by joins) lower to Triton."""
-    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
-
-    spec = dataclasses.replace(SR_PRESCALE, rng="threefry13")
-    x = jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16)
-    words = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    for out, column, rotation in (("mx", True, H16), ("mx", False, NO_ROTATION), ("fp8_fold", False, H16)):
-
-        def run(x, w, column=column, out=out, rotation=rotation):
-            return kernels.rotate_quantize_3d(
-                x, column, spec, rotation, None, None, out, False, fq.KernelConfig(), w
-            )
-
-        assert "triton" in jax.jit(run).trace(x, words).lower(lowering_platforms=("cuda",)).as_text()
+    _assert_lowers_to_triton(dataclasses.replace(SR_PRESCALE, rng="threefry13"))
 
 
 # ----------------------------------------------------------------------------------------------------
