@@ -14,7 +14,8 @@ attention and LM head stay as the model has them:
   applied), and `mxfp4_full_ceil`: mxfp4_full with qwix's scale rule (`ceil`), fp4jax's twin of qwix's
   variant.
 - `qwix_mxfp4`: qwix 0.1.8's quantized training (`QtProvider`, `qwix.quantize_model`): MXFP4 on both
-  operands of every forward GEMM and, through its backward settings, on both operands of Dgrad and Wgrad.
+  operands of every forward GEMM and, through its backward settings, on both operands of Dgrad and Wgrad,
+  each projection handed to it as one 2-D product (`as_matrix_product` says why).
 - `jax_nn_mxfp8`, `jax_nn_nvfp4`: `jax.nn.scaled_dot_general` with `jax.nn.get_scaled_dot_general_config`
   configs. NVFP4's per-tensor scale is the operand's amax / (448 * 6) per call, as Transformer Engine's.
 
@@ -44,13 +45,15 @@ fp4jax's `ceil` takes the exact exponent from amax's bits. They agree on every b
 amax / 6 lies within the dtype's rounding of a power of two (the rounded log2 lands on the wrong side of
 the integer: float32's log2(2^-30) is -29.999998), and those below 6 * 2^-63, where qwix's scale is 1.
 The check quantizes operands both ways and counts differing blocks outside and inside that band (outside
-must be 0), then compares one Fprop GEMM on float32 operands and, from the timed variants, the first
-step's loss and gradient norm of `mxfp4_full_ceil` and `qwix_mxfp4` (bfloat16 activations: not expected
-bit-equal, see the rows' reasons).
+must be 0), then compares `mxfp4_full_ceil` with `qwix_mxfp4` on one Fprop GEMM of float32 operands, on one
+step's loss and every gradient at float32 activations (at most 2 blocks, one sequence), and on the timed
+first step (bfloat16 activations: not expected bit-equal). On the CPU both multiply the same dequantized
+operands with XLA's dot and every row but the bfloat16 ones is bit-equal; on a GPU the GEMM kernels
+differ (the rows say so).
 
 Estimated runtime of the default command with `--check` on one H200 (1B, seq 2048 x 16, 10 variants):
 about 5 minutes, mostly compilation (roughly 20-35 s per variant with scanned blocks), plus 10 x 7 steps
-of about 0.45 s and 20 s for the check; not yet measured.
+of about 0.45 s and 30 s for the check (two more small programs); not yet measured.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ from fp4jax.ops.quantized_dot import bind_recipe  # noqa: E402
 from fp4jax.ops.recipes import MXFP4, PRESETS, GemmSpec, Recipe, resolve_recipe  # noqa: E402
 from fp4jax.training import setup  # noqa: E402
 from fp4jax.training.optimizer import make_optimizer  # noqa: E402
-from fp4jax.training.state import TrainState, train_step  # noqa: E402
+from fp4jax.training.state import TrainState, token_losses, train_step  # noqa: E402
 
 QWIX_VERSION = "0.1.8"
 INSTALL_QWIX = f"pip install '.[peers]' (qwix=={QWIX_VERSION}) in the repository, then rerun"
@@ -100,9 +103,9 @@ GPT2_PADDED_VOCAB = 50304  # the 1B config's tokenizer (GPT-2, 50,257) padded to
 # --config.KEY=VALUE come after and win). 1b: blocks scanned, so that ten variants compile within the
 # time budget (inline blocks are up to 3.6 % faster, docs/performance.md, and compile longer), and the
 # vocabulary the trainer derives from the config's tokenizer (the batch is random tokens: none is loaded).
-# tiny:
-# head_dim 32 because qwix tiles only the last contracting axis, and the o projection contracts
-# (heads, head_dim); a 512-token vocabulary because the GPT-2 one is most of so small a model's work.
+# tiny: a 512-token vocabulary, because the GPT-2 one is most of so small a model's work; head_dim 32,
+# because with 16 XLA:CPU (jaxlib 0.10.2) rejects the float32 check step's qwix program ("does not support
+# custom element sizes on non-sub-byte types", a convert of the v projection's (64, 32) weight).
 SIZES = {
     "1b": (
         "configs/llama1b_pg_bf16.py",
@@ -159,6 +162,30 @@ class RoutedModel:
         return next_fun(*args, **kwargs)
 
 
+def as_matrix_product(dot_general: Callable) -> Callable:
+    """`dot_general` handed each call as one 2-D product (lhs's free axes x its contracting axes) @
+    (contracting x rhs's free), the result reshaped back: a projection has no batch axes.
+
+    Why for qwix: it tiles only the last contracting axis and shares one scale across the others, so on
+    a Dense layer's own shapes a Wgrad block (contracting batch and sequence) spans the whole batch, and
+    an o projection's (contracting heads and head_dim) every head. As a matrix product every block is 32
+    contiguous elements of one row, as MX defines it and as fp4jax blocks (it flattens the same way)."""
+
+    def matrix_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+        if lhs_batch or rhs_batch:
+            raise ValueError(f"a projection's dot_general has no batch axes, got {dimension_numbers}")
+        lhs_free = [a for a in range(lhs.ndim) if a not in lhs_contract]
+        rhs_free = [a for a in range(rhs.ndim) if a not in rhs_contract]
+        k = math.prod(lhs.shape[a] for a in lhs_contract)
+        lhs_2d = jnp.transpose(lhs, (*lhs_free, *lhs_contract)).reshape(-1, k)
+        rhs_2d = jnp.transpose(rhs, (*rhs_contract, *rhs_free)).reshape(k, -1)
+        out = dot_general(lhs_2d, rhs_2d, (((1,), (0,)), ((), ())), precision, preferred_element_type)
+        return out.reshape(*(lhs.shape[a] for a in lhs_free), *(rhs.shape[a] for a in rhs_free))
+
+    return matrix_dot_general
+
+
 def ceil_recipe() -> Recipe:
     """mxfp4_full with qwix's scale rule: every operand of the three GEMMs MXFP4 (E2M1, 32, ceil, RNE)."""
     spec = dataclasses.replace(MXFP4, scale_mode="ceil")
@@ -209,6 +236,11 @@ def qwix_rule():
     )
 
 
+def qwix_lax_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """jax.lax.dot_general looked up at call time: qwix's provider replaces it while the model runs."""
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
 def qwix_variant(base) -> Variant:
     numerics = "MXFP4 (qwix's ceil rule in the operand's dtype) on both operands of Fprop, Dgrad, Wgrad"
     variant = Variant("qwix_mxfp4", f"qwix {QWIX_VERSION}", numerics, skip=qwix_missing())
@@ -216,7 +248,7 @@ def qwix_variant(base) -> Variant:
         import qwix
 
         quantized = qwix.quantize_model(base, qwix.QtProvider([qwix_rule()]))
-        variant.model = RoutedModel(quantized, jax.lax.dot_general)
+        variant.model = RoutedModel(quantized, as_matrix_product(qwix_lax_dot_general))
     return variant
 
 
@@ -273,13 +305,42 @@ def jax_nn_missing(mode: str) -> str | None:
     return None
 
 
+# jax.nn.scaled_matmul's primitive: `scaled_matmul_wrapper` as jax 0.10 binds it, `scaled_matmul` lowered.
+SCALED_MATMUL = "scaled_matmul"
+
+
+def count_primitive(closed_jaxpr, prefix: str) -> int:
+    """How many equations of a primitive whose name starts with `prefix` a program holds, its
+    sub-programs (scan, custom_vjp, pjit) included, each counted once as written."""
+
+    def jaxprs(value):
+        if hasattr(value, "eqns"):
+            yield value
+        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+            yield value.jaxpr
+        elif isinstance(value, tuple | list):
+            for v in value:
+                yield from jaxprs(v)
+
+    def count(jaxpr) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += eqn.primitive.name.startswith(prefix)
+            n += sum(count(sub) for v in eqn.params.values() for sub in jaxprs(v))
+        return n
+
+    return count(closed_jaxpr.jaxpr)
+
+
 def backward_gemms_quantized(mode: str) -> int:
     """How many of a scaled_dot_general's three GEMMs (forward, both gradients) multiply block-scaled
-    operands in this jax: scaled_matmul primitives in its gradient's program (found, not assumed)."""
+    operands in this jax: scaled_matmul equations in its value-and-gradient's program (found, not
+    assumed: jax 0.10's NVFP4 gradients multiply unquantized)."""
     lhs, rhs, dims = _probe_operands()
     loss = lambda a, b: jax_nn_dot_general(mode)(a, b, dims).astype(jnp.float32).sum()  # noqa: E731
-    text = str(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(lhs, rhs))
-    return text.count("scaled_matmul")
+    return count_primitive(
+        jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(lhs, rhs), "scaled_matmul"
+    )
 
 
 def jax_nn_variant(mode: str, base) -> Variant:
@@ -556,30 +617,74 @@ def qwix_gemm_check(x: jax.Array, w: jax.Array) -> dict:
         "max_abs_diff": float(np.abs(ours - theirs).max()),
         "max_rel_diff": float(np.abs(ours - theirs).max()) / scale,
         "bits_equal": equal,
-        "why": ""
-        if equal
-        else "the same quantized operands, multiplied by different kernels (fp4jax's back end against "
-        "qwix's dequantize-then-dot or jax.nn.scaled_matmul), whose float32 sums run in different orders",
+        "why": "" if equal else GEMM_WHY,
     }
 
 
-def step_check(results: Results) -> dict | None:
-    """The first step's loss and gradient norm of mxfp4_full_ceil against qwix_mxfp4 (same state, batch)."""
+GEMM_WHY = (
+    "the same quantized operands multiplied by different kernels (fp4jax's back end against qwix's "
+    "dequantize-then-dot, or jax.nn.scaled_matmul on GPUs), whose float32 sums run in different orders"
+)
+
+
+def float32_step_check(shared: Setup) -> dict:
+    """One step's loss and gradients with float32 activations, where the quantizers agree bit for bit:
+    fp4jax's mxfp4_full_ceil against qwix_mxfp4, on the size's widths with at most 2 blocks and one
+    sequence of the shared batch (the full model at float32 would not fit beside the timed state)."""
+    cfg = shared.base.config
+    cfg = dataclasses.replace(
+        cfg, dtype="float32", n_layers=min(cfg.n_layers, 2), bf16_first_blocks=0, bf16_last_blocks=0
+    )
+    base = Llama(cfg, recipe="bf16")
+    batch = {k: v[:1] for k, v in shared.batch.items()}
+    with sharding_context(shared.mesh):
+        params = nn.meta.unbox(jax.jit(base.init)(jax.random.key(shared.config.seed), batch["inputs"]))
+    models = {"fp4jax": fp4jax_variant(CEIL_RECIPE_NAME, shared.config, base).model}
+    models["qwix"] = qwix_variant(base).model
+    got = {}
+    for who, model in models.items():
+        loss = lambda p, model=model: token_losses(model, p, {}, batch, None).mean()  # noqa: E731
+        with sharding_context(shared.mesh):
+            got[who] = jax.device_get(jax.jit(jax.value_and_grad(loss))(params["params"]))
+    leaves = [jax.tree.leaves(got[who]) for who in ("fp4jax", "qwix")]
+    pairs = [(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in zip(*leaves, strict=True)]
+    equal = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in pairs)
+    return {
+        "what": f"one step at float32 activations ({cfg.n_layers} blocks, 1 x {batch['inputs'].shape[1]} "
+        f"tokens): loss and every gradient, {CEIL_RECIPE_NAME} against qwix_mxfp4",
+        "loss": [float(got["fp4jax"][0]), float(got["qwix"][0])],
+        "max_abs_diff": max(float(np.abs(a - b).max()) for a, b in pairs),
+        "bits_equal": equal,
+        "why": "" if equal else GEMM_WHY,
+    }
+
+
+def bfloat16_step_check(results: Results) -> dict | None:
+    """The timed variants' first step (bfloat16 activations): mxfp4_full_ceil against qwix_mxfp4."""
     ours, theirs = (results.entries.get(n, {}).get("first_step") for n in (CEIL_RECIPE_NAME, "qwix_mxfp4"))
     if not ours or not theirs:
         return None
     equal = ours == theirs
     return {
-        "what": f"first step's loss and gradient norm: {CEIL_RECIPE_NAME} against qwix_mxfp4",
+        "what": f"first timed step (bfloat16 activations): loss and gradient norm, {CEIL_RECIPE_NAME} "
+        "against qwix_mxfp4",
         "loss": [ours["loss"], theirs["loss"]],
         "grad_norm": [ours["grad_norm"], theirs["grad_norm"]],
         "max_abs_diff": max(abs(ours[k] - theirs[k]) for k in ours),
         "bits_equal": equal,
         "why": ""
         if equal
-        else "bfloat16 activations: qwix's ceil in bfloat16 parts from the exact one in a few percent of "
-        "blocks (the quantizer rows), and the GEMMs sum in different orders; not expected bit-equal",
+        else "not expected equal: qwix's ceil in bfloat16 parts from the exact one in the band's blocks "
+        "(the bfloat16 quantizer rows), and the GEMMs may sum in different orders",
     }
+
+
+WEIGHTS = "weights N(0, 0.02^2), rows along K"
+EDGE = "amax at 6 * 2^k and its neighbours"
+
+
+def bf16(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.bfloat16)
 
 
 def run_check(shared: Setup, results: Results) -> None:
@@ -596,16 +701,20 @@ def run_check(shared: Setup, results: Results) -> None:
     x = jax.random.normal(key_x, (rows, cfg.d_model), jnp.float32)
     w = jax.random.normal(key_w, (cfg.d_model, cfg.d_ff), jnp.float32) * 0.02
     checks = [
-        lambda: qwix_quantize_check("activations N(0, 1)", x),
-        lambda: qwix_quantize_check("weights N(0, 0.02^2), rows along K", w.T),
-        lambda: qwix_quantize_check("activations N(0, 1)", x.astype(jnp.bfloat16)),
-        lambda: qwix_quantize_check("weights N(0, 0.02^2), rows along K", w.T.astype(jnp.bfloat16)),
-        lambda: qwix_quantize_check("amax at 6 * 2^k and its neighbours", edge_operand(0, jnp.float32)),
-        lambda: qwix_gemm_check(x.reshape(1, rows, cfg.d_model), w),
-        lambda: step_check(results),
+        ("quantizer, float32 activations", lambda: qwix_quantize_check("activations N(0, 1)", x)),
+        ("quantizer, float32 weights", lambda: qwix_quantize_check(WEIGHTS, w.T)),
+        ("quantizer, bfloat16 activations", lambda: qwix_quantize_check("activations N(0, 1)", bf16(x))),
+        ("quantizer, bfloat16 weights", lambda: qwix_quantize_check(WEIGHTS, bf16(w.T))),
+        ("quantizer, the band's edge", lambda: qwix_quantize_check(EDGE, edge_operand(0, jnp.float32))),
+        ("Fprop GEMM", lambda: qwix_gemm_check(x.reshape(1, rows, cfg.d_model), w)),
+        ("one step at float32 activations", lambda: float32_step_check(shared)),
+        ("first timed step", lambda: bfloat16_step_check(results)),
     ]
-    for check in checks:
-        row = check()
+    for what, check in checks:
+        try:
+            row = check()
+        except Exception as e:  # noqa: BLE001 - a check that cannot run is a row that says so
+            row = {"what": what, "error": first_line(e)}
         if row is not None:
             results.check.append(row)
             print(f"check: {json.dumps(row)}", flush=True)
@@ -643,7 +752,13 @@ def to_markdown(results: Results, command: str) -> str:
     if results.check:
         lines += ["", "Bit-equality with qwix (`--check`):", ""]
         for c in results.check:
-            verdict = c.get("skipped") or ("bits equal" if c["bits_equal"] else f"not equal: {c['why']}")
+            if "skipped" in c or "error" in c:
+                lines.append(
+                    f"- {c['what']}: **{'skipped' if 'skipped' in c else 'failed'}**: "
+                    f"{c.get('skipped') or c.get('error')}"
+                )
+                continue
+            verdict = "bits equal" if c["bits_equal"] else f"not equal: {c['why']}"
             detail = f" (max |diff| {c['max_abs_diff']:.3g})" if "max_abs_diff" in c else ""
             band = ""
             if "differ_outside_band" in c:
