@@ -34,6 +34,12 @@ Tokens per step: with `accumulate` A, each b_k is the mean gradient over A disjo
 denominator, coherence, update error, sqrt3_ratio) is at A x batch x seq_len tokens per step without more
 memory. A call reads K x A x batch sequences, each used once (micro-batch j of b_k is window k A + j).
 
+Where the batches come from (`data`): the validation split (`config`, as python -m fp4jax.diagnose; the same
+batches at every checkpoint), or `next`: per checkpoint, the K x A batches the run itself trains on next (its
+training iterator restored from the checkpoint's data state), text the model has not yet seen. `next` is
+for tokens per step beyond what the validation split holds (K x A x batch windows of it), and its noise
+is the run's own minibatch noise; it refuses batches that would run into the next epoch (seen text).
+
 Each figure is given per parameter group (`param_group`: the layer kinds q, k, v, o, gate, up, down over
 all blocks, then embed, lm_head, norm) and for the whole model ("all"). The math is small pure functions
 over pytrees (`sq_norms`, `update_sums`, `gradient_metrics`, `update_metrics`), driven by `measure`, which
@@ -56,6 +62,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from fp4jax import diagnose, gemm_errors
+from fp4jax.data.iterator import make_train_iterator
 from fp4jax.models.llama import Llama, padded_vocab_size
 from fp4jax.ops import GemmSpec, Recipe, resolve_execution
 from fp4jax.ops.recipes import MXFP4, resolve_recipe
@@ -76,6 +83,7 @@ __all__ = [
     "group_micro_batches",
     "leaf_groups",
     "load_state",
+    "next_training_batches",
     "loss_grad_fn",
     "measure",
     "param_group",
@@ -94,7 +102,8 @@ __all__ = [
 
 STAGES = gemm_errors.GEMMS  # fprop, dgrad, wgrad
 ALL = "all"
-DATA_MODES = diagnose.DATA_MODES
+NEXT = "next"  # the run's own next training batches after each checkpoint (module docstring)
+DATA_MODES = (*diagnose.DATA_MODES, NEXT)
 UPDATE_SUMS = ("err_sq", "ref_sq", "q_sq", "dot", "same_sign", "count")
 
 
@@ -340,6 +349,24 @@ def abstract_state(config, model_cfg, tx):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
 
 
+def next_training_batches(run_dir: str, step: int, config, tokenizer, *, n: int, batch: int) -> list[dict]:
+    """The n batches of `batch` sequences (the run's seq_len) that the run reads after checkpoint `step`:
+    its training iterator, built as the trainer builds it, set to the checkpoint's data state. Every window
+    lies in the checkpoint's epoch, so none has been trained on by `step` (a ValueError otherwise)."""
+    data_state = _manager(run_dir).restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore())).data
+    train_iter = make_train_iterator(
+        config.data, tokenizer, seq_len=config.seq_len, global_batch=batch, seed=config.seed, progress=False
+    )
+    train_iter.set_state(data_state)
+    left = train_iter.windows_per_epoch - int(data_state["position"])
+    if n * batch > left:
+        raise ValueError(
+            f"--data next at step {step}: {n} x {batch} sequences, but only {left:,} unseen ones are left in "
+            "the epoch; ask for fewer --batches, --accumulate or --batch"
+        )
+    return [next(train_iter) for _ in range(n)]
+
+
 def load_state(run_dir: str, step: int, abstract) -> tuple:
     """(params, opt_state) of checkpoint `step`, in the trainer's own tree structure (`abstract_state`;
     see verified_steps)."""
@@ -367,9 +394,10 @@ def run_instruments(
     """Every stage's instruments on each checkpoint `steps` (default: all) of a run; the JSON document.
 
     Batches: the first n_batches x accumulate x batch sequences of the run's validation stream (`data` as
-    in python -m fp4jax.diagnose), the same at every step, in n_batches disjoint groups of `accumulate`
-    micro-batches (tokens per step: accumulate x batch x seq_len); batch default: the run's global batch
-    (the minibatch noise of one update), seq_len default: the run's.
+    in python -m fp4jax.diagnose), the same at every step, or with data "next" the run's own next ones
+    after each step (`next_training_batches`; seq_len must be the run's), in n_batches disjoint groups of
+    `accumulate` micro-batches (tokens per step: accumulate x batch x seq_len); batch default: the run's
+    global batch (the minibatch noise of one update), seq_len default: the run's.
     """
     if not stages or len(set(stages)) < len(stages):
         raise ValueError(f"--stages {','.join(stages)!r}: give distinct ones of {', '.join(STAGES)}")
@@ -386,18 +414,30 @@ def run_instruments(
     model_cfg = setup.model_config(config, padded_vocab_size(tokenizer.vocab_size))
     model_cfg = dataclasses.replace(model_cfg, max_seq_len=max(model_cfg.max_seq_len, seq_len))
     tx, _ = make_optimizer(config.optimizer)
-    batches = diagnose.make_batches(
-        config,
-        tokenizer,
-        data,
-        n=n_batches * accumulate,
-        batch=batch,
-        seq_len=seq_len,
-        vocab=model_cfg.vocab_size,
-        seed=config.seed,
-    )
-    batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in batches]
-    batches = group_micro_batches(batches, n_batches, accumulate)
+    if data == NEXT and seq_len != config.seq_len:
+        raise ValueError(
+            f"--data next reads the run's own windows of {config.seq_len} tokens: drop --seq-len"
+        )
+    n = n_batches * accumulate
+
+    def micro_batches(step: int | None) -> list[tuple]:
+        if data == NEXT:
+            drawn = next_training_batches(run_dir, step, config, tokenizer, n=n, batch=batch)
+        else:
+            drawn = diagnose.make_batches(
+                config,
+                tokenizer,
+                data,
+                n=n,
+                batch=batch,
+                seq_len=seq_len,
+                vocab=model_cfg.vocab_size,
+                seed=config.seed,
+            )
+        drawn = [{k: jnp.asarray(v) for k, v in b.items()} for b in drawn]
+        return group_micro_batches(drawn, n_batches, accumulate)
+
+    shared_batches = None if data == NEXT else micro_batches(None)  # the same at every step
     recipes = {None: "bf16", **{s: stage_recipe(s) for s in stages}}
     grads = {s: loss_grad_fn(model_cfg, resolve_execution(r)[0]) for s, r in recipes.items()}
     mean_grad = accumulated(lambda s, p, b: grads[s](p, b))
@@ -406,6 +446,7 @@ def run_instruments(
     results = {}
     for step in steps:
         params, opt_state = load_state(run_dir, step, abstract)
+        batches = shared_batches or micro_batches(step)
         results[str(step)] = measure(mean_grad, update, params, opt_state, batches, stages)
         log(f"step {step}: " + "; ".join(f"{s} {_summary(results[str(step)][s])}" for s in stages))
     return {

@@ -403,3 +403,50 @@ def test_command_refuses_a_checkpoint_that_fails_its_manifest(good_run, tmp_path
     err = capsys.readouterr().err
     assert f"--run checkpoint {run / 'checkpoints' / '2'} is bad: " in err and "choose another step" in err
     assert err.count("\n") == 1
+
+
+def test_next_batches_are_the_ones_the_run_trains_on_after_the_checkpoint(good_run):
+    """--data next: after checkpoint 4 the run's own iterator, read from the start of its data, gives
+    batches 5, 6, ... of the run; next_training_batches gives the same from the checkpoint's data state,
+    also at another batch size (the windows in the same order)."""
+    from fp4jax.data.iterator import make_train_iterator
+    from fp4jax.training import setup
+
+    config = ins.run_config(str(good_run), 4)
+    tokenizer = setup.load_tokenizer(config.data.tokenizer)
+    gb = config.global_batch
+    from_start = make_train_iterator(
+        config.data, tokenizer, seq_len=config.seq_len, global_batch=gb, seed=config.seed, progress=False
+    )
+    for _ in range(4):
+        next(from_start)
+    expected = [next(from_start) for _ in range(2)]
+    got = ins.next_training_batches(str(good_run), 4, config, tokenizer, n=2, batch=gb)
+    for e, g in zip(expected, got, strict=True):
+        for key in ("inputs", "targets"):
+            np.testing.assert_array_equal(g[key], e[key])
+    halves = ins.next_training_batches(str(good_run), 4, config, tokenizer, n=4, batch=gb // 2)
+    np.testing.assert_array_equal(
+        np.concatenate([h["inputs"] for h in halves]), np.concatenate([e["inputs"] for e in expected])
+    )
+
+
+def test_next_batches_refuse_to_run_into_seen_text(good_run):
+    config = ins.run_config(str(good_run), 4)
+    from fp4jax.training import setup
+
+    tokenizer = setup.load_tokenizer(config.data.tokenizer)
+    with pytest.raises(
+        ValueError, match=r"--data next at step 4: .* unseen ones are left in the epoch; ask for fewer"
+    ):
+        ins.next_training_batches(str(good_run), 4, config, tokenizer, n=10**6, batch=config.global_batch)
+
+
+def test_the_command_measures_on_the_next_batches(good_run, tmp_path, capsys):
+    out = tmp_path / "next"
+    argv = ["instruments", "--run", str(good_run), "--out", str(out), "--batches", "2", "--batch", "2"]
+    assert main([*argv, "--steps", "2,4", "--data", "next"]) == 0
+    result = json.loads((out / "instruments.json").read_text())
+    assert result["data"] == "next" and list(result["steps"]) == ["2", "4"]
+    assert main([*argv, "--data", "next", "--seq-len", "8"]) == 2
+    assert "--data next reads the run's own windows" in capsys.readouterr().err

@@ -9,7 +9,8 @@ arguments and calls those.
         --budget-minutes 9 [--parallel 2 --gpus 0,0] [--stage calibration] [--set data.path=DIR ...]
     python -m fp4jax.study report --plan fp4jax/study/plans/proxy125m.toml --root runs/study --out DIR
     python -m fp4jax.study instruments --run RUN_DIR [--steps 250,500,1000] --out DIR \
-        [--stages fprop,dgrad,wgrad] [--batches 4] [--batch B] [--seq-len T] [--data config|bundled|synthetic]
+        [--stages fprop,dgrad,wgrad] [--batches 4] [--batch B] [--seq-len T] \
+        [--data config|bundled|synthetic|next]
     python -m fp4jax.study records unpack|pack records/study125m --root runs/study [--stage NAME]
 
 `run` never reruns a finished run; a run the budget stops saves a checkpoint and the next call resumes
@@ -135,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     ins_p.add_argument("--accumulate", type=int, default=1, help="micro-batches averaged per batch (A)")
     ins_p.add_argument("--batch", type=int, default=None, help="sequences per batch (default: global_batch)")
     ins_p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's)")
-    ins_p.add_argument("--data", default="config", help="config, bundled or synthetic (as fp4jax.diagnose)")
+    ins_p.add_argument(
+        "--data",
+        default="config",
+        help="config, bundled, synthetic (as fp4jax.diagnose) or next (the run's next batches)",
+    )
     rec_p = sub.add_parser(
         "records", help="pack runs into records/<study>/<stage>.tar.xz, or unpack them", allow_abbrev=False
     )
