@@ -54,11 +54,13 @@ def test_matches_the_reference_bit_for_bit(case):
 
 
 def _rotate(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """Each row times diag(signs) H_128 (float64)."""
-    return fref.rotate(x, GROUP, signs)
+    """Each row times diag(signs) H_128 (float64), then float32; `signs` one row of signs for every row,
+    or a row of signs per row (the sign flips are exact in float64, so either is fref.rotate's rule)."""
+    return fref.rotate(x.astype(np.float64) * signs, GROUP)
 
 
 def _unrotate(y: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """_rotate undone in float64: each row times H_128^T, then diag(signs) (per row, as in _rotate)."""
     h = fref.rotate(np.eye(GROUP), GROUP).astype(np.float64)  # rows of H_128
     return (y.astype(np.float64) @ h.T) * signs
 
@@ -80,9 +82,9 @@ def _estimates(x: np.ndarray, how: str, n: int, seed: int) -> np.ndarray:
     """n estimates of x: rotated by n random-sign H_128s, quantized, dequantized, rotated back."""
     sign_keys, round_keys = jax.random.split(jax.random.key(seed))
     signs = np.asarray(jax.vmap(lambda k: random_signs(k, GROUP))(jax.random.split(sign_keys, n)))
-    rotated = np.stack([_rotate(x[None], s)[0] for s in signs]).astype(F32)
+    rotated = _rotate(np.broadcast_to(x, signs.shape), signs)  # all n rotations at once
     deq = np.asarray(_draws(jnp.asarray(rotated), jax.random.split(round_keys, n), how))
-    return np.stack([_unrotate(d[None], s)[0] for d, s in zip(deq, signs, strict=True)])
+    return _unrotate(deq, signs)
 
 
 def _heavy_tailed(seed: int) -> np.ndarray:
