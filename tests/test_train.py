@@ -67,8 +67,10 @@ def test_weight_decay_skips_norm_scales():
 @contextlib.contextmanager
 def _train_step(config, mesh):
     """Inside `mesh`'s sharding context, the trainer's jitted step of `config` (a 256-token vocabulary):
-    .train_fn, .state (freshly initialised), .shardings, .init() (another fresh state) and .batch(tokens)
-    (inputs and targets of (batch, seq_len + 1) tokens, on the mesh)."""
+    .train_fn, .state (freshly initialised; the step donates it), .shardings, .init() (a copy of that
+    fresh state, for another run from step 0: initialising is deterministic, and tracing the init again
+    took over a second a call) and .batch(tokens) (inputs and targets of (batch, seq_len + 1) tokens, on the
+    mesh)."""
 
     class Tok:
         name, vocab_size = "test", 256
@@ -77,15 +79,13 @@ def _train_step(config, mesh):
         model, _ = setup.build_model(config, Tok())
         tx, schedule = make_optimizer(config.optimizer)
 
-        def init():
-            return setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
-
-        state, shardings = init()
+        state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
+        pristine = jax.tree.map(jnp.copy, state)  # before the step donates `state`
         yield types.SimpleNamespace(
             train_fn=setup.jit_steps(config, model, tx, schedule, mesh, shardings)[0],
             state=state,
             shardings=shardings,
-            init=lambda: init()[0],
+            init=lambda: jax.tree.map(jnp.copy, pristine),
             batch=lambda tokens: setup.device_batch(
                 {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh
             ),
