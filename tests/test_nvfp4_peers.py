@@ -30,6 +30,7 @@ import subprocess
 import sys
 
 import formats_reference as fref
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -78,9 +79,13 @@ def _midpoint_case() -> np.ndarray:
     return np.where(np.arange(COLS) % BLOCK == 0, x, near).astype(F32)
 
 
+# quantize_nvfp4 jitted, as the library runs it (eagerly its ops compiled one by one: 2.4 s, against 0.2 s).
+_quantize_nvfp4 = jax.jit(quantize_nvfp4)
+
+
 def te_rule(x: np.ndarray) -> dict:
     """quantize_nvfp4's block scales, codes and S_dec, as float32 numpy arrays (blocks along the rows)."""
-    q = quantize_nvfp4(jnp.asarray(x))
+    q = _quantize_nvfp4(jnp.asarray(x))
     return {
         "scale": np.asarray(float8_to_float32(q.scale)),
         "code": np.asarray(q.data.astype(jnp.float32)),
