@@ -1,5 +1,7 @@
 """python -m fp4jax.selfcheck on CPU (small GEMMs, a few tiny-model steps), and its HLO reader."""
 
+import functools
+
 import pytest
 
 from fp4jax import selfcheck
@@ -61,8 +63,12 @@ def test_the_backends_worth_checking_follow_the_hardware(monkeypatch, vendor, ar
     assert selfcheck.available_backends(desc) == expected
 
 
-def test_selfcheck_passes_here(capsys):
-    """On the CPU lane `auto` is emulate; on a GPU lane whatever the dispatch table gives that device."""
+def test_selfcheck_passes_here(capsys, monkeypatch):
+    """On the CPU lane `auto` is emulate; on a GPU lane whatever the dispatch table gives that device.
+    Each program is timed once, without warm-up: the test reads no timing, and the self-check's 7 runs of
+    each of its 9 GEMM programs took 2 s."""
+    timed_once = functools.partial(selfcheck.median_seconds, warmup=0, iters=1)
+    monkeypatch.setattr(selfcheck, "median_seconds", timed_once)
     formats = "mxfp6_e3m2_full,nvfp4_nvidia"  # two other formats here; all of them in the long lane (below)
     code = selfcheck.main(["--small", "--train-steps", "4", "--formats", formats])  # loss falls ~0.15 in 4
     out = capsys.readouterr().out
