@@ -4,7 +4,9 @@ the fused quantizer (with a reason) and quantized on the reference path, never r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +16,18 @@ from fp4jax.ops.kernels import fused_quantize, probes
 from fp4jax.ops.recipes import MXFP4, ROTATIONS, GemmSpec, Recipe, RotationKind, RotationSpec
 
 NVIDIA = probes.DeviceDescription("nvidia", "NVIDIA H200", "9.0")
+DIMS = (((1,), (0,)), ((), ()))  # x (T, K) @ w (K, N)
+
+# The GEMMs and their references run jitted (one program each; eagerly, every op of the quantizer was
+# compiled on its own, 7 s for a test): what is checked is which path a recipe takes, decided as the
+# function is traced either way.
+_mx_dot = jax.jit(functools.partial(mx_dot_general, dimension_numbers=DIMS), static_argnames="recipe")
+
+
+@functools.partial(jax.jit, static_argnames="reference_operand")
+def _reference_gemm(x, w, reference_operand):
+    """x @ w with both operands quantized by reference_operand (a (rows, K) array contracting on K)."""
+    return reference_operand(x) @ reference_operand(w.T).T
 
 
 def _reverse_blocks(x, *, axis, size, signs=None):
@@ -48,21 +62,21 @@ def test_a_reference_only_rotation_is_never_run_as_a_hadamard(toy, quantizer):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((32, 64)) * np.exp(rng.standard_normal((32, 64))), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
-    dims = (((1,), (0,)), ((), ()))
 
     def recipe(rotation):
         gemm = GemmSpec(MXFP4, MXFP4, rotation)
         return Recipe(fprop=gemm, backend="emulate", quantizer=quantizer)
 
-    got = mx_dot_general(x, w, dims, recipe=recipe(toy))
-
-    def reference_operand(v):  # (rows, K) contracting on K
-        return quantize_mx(_reverse_blocks(v, axis=-1, size=16), **_mx_args()).dequantize(jnp.float32)
-
-    want = reference_operand(x) @ reference_operand(w.T).T
+    got = _mx_dot(x, w, recipe=recipe(toy))
+    want = _reference_gemm(x, w, _reversed_operand)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want, np.float32))
-    hadamard = mx_dot_general(x, w, dims, recipe=recipe(dataclasses.replace(toy, kind="deterministic")))
+    hadamard = _mx_dot(x, w, recipe=recipe(dataclasses.replace(toy, kind="deterministic")))
     assert not np.array_equal(np.asarray(got), np.asarray(hadamard))
+
+
+def _reversed_operand(v):
+    """The toy rotation's reference operand: reversed in blocks of 16, quantized, dequantized."""
+    return quantize_mx(_reverse_blocks(v, axis=-1, size=16), **_mx_args()).dequantize(jnp.float32)
 
 
 def _mx_args():
@@ -96,12 +110,12 @@ def test_an_oas_gemm_takes_the_reference_path_whatever_the_quantizer(quantizer):
     x = jnp.asarray(rng.standard_normal((32, 64)) * np.exp(rng.standard_normal((32, 64))), jnp.float32)
     w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
     gemm = GemmSpec(MXFP4_OAS, MXFP4_OAS, RotationSpec("deterministic"))
-    got = mx_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=Recipe(fprop=gemm, quantizer=quantizer))
-
-    def reference_operand(v):
-        args = dict(_mx_args(), scale_mode="oas")
-        rotated = rotation.rotate_blocks(v, axis=-1, size=16)
-        return quantize_mx(rotated, **args).dequantize(jnp.float32)
-
-    want = reference_operand(x) @ reference_operand(w.T).T
+    got = _mx_dot(x, w, recipe=Recipe(fprop=gemm, quantizer=quantizer))
+    want = _reference_gemm(x, w, _oas_operand)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want, np.float32))
+
+
+def _oas_operand(v):
+    """The OAS GEMM's reference operand: H16-rotated, quantized with the oas rule, dequantized."""
+    rotated = rotation.rotate_blocks(v, axis=-1, size=16)
+    return quantize_mx(rotated, **dict(_mx_args(), scale_mode="oas")).dequantize(jnp.float32)
