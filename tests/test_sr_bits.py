@@ -15,6 +15,7 @@ as an ideal one would have failed it with another seed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -244,7 +245,7 @@ def test_sharded_stochastic_quantization_equals_one_device(mesh):
     got = jax.jit(quantized, in_shardings=(sharding, None), out_shardings=sharding)(
         jax.device_put(x, sharding), KEYS[1]
     )
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(quantized(x, KEYS[1])))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(quantized)(x, KEYS[1])))
 
 
 def test_stochastic_rounding_with_these_bits_is_unbiased():
@@ -289,26 +290,34 @@ def test_the_fused_xla_path_draws_the_references_bits():
     spec = dataclasses.replace(MXFP4_SR, rng="threefry13")
     x = jax.random.normal(jax.random.key(4), (2, 64, 128), jnp.float32)
 
+    # Both sides jitted: one program each, not every op compiled on its own (6 s eagerly).
+    @functools.partial(jax.jit, static_argnums=(0, 1))
     def fused(axis, spec):
-        return np.asarray(fq.rotate_quantize(x, axis=axis, spec=spec, key=KEYS[0], impl="xla").dequantize())
+        return fq.rotate_quantize(x, axis=axis, spec=spec, key=KEYS[0], impl="xla").dequantize()
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def reference(axis):
+        xt = x if axis == -1 else jnp.swapaxes(x, -1, -2)
+        mx = quantize.quantize_mx(xt, scale_mode="even", rounding="stochastic", key=KEYS[0], rng="threefry13")
+        return mx.dequantize()
 
     for axis in (-1, -2):
-        xt = x if axis == -1 else jnp.swapaxes(x, -1, -2)
-        want = quantize.quantize_mx(
-            xt, scale_mode="even", rounding="stochastic", key=KEYS[0], rng="threefry13"
-        )
-        np.testing.assert_array_equal(fused(axis, spec), np.asarray(want.dequantize()))
-    assert np.any(fused(-1, spec) != fused(-1, dataclasses.replace(spec, rng="threefry")))
+        np.testing.assert_array_equal(np.asarray(fused(axis, spec)), np.asarray(reference(axis)))
+    other = dataclasses.replace(spec, rng="threefry")
+    assert np.any(np.asarray(fused(-1, spec)) != np.asarray(fused(-1, other)))
 
 
 def test_nvfp4_takes_the_generator_too():
     x = jax.random.normal(jax.random.key(5), (16, 64), jnp.float32)
     spec = QuantSpec(kind="nvfp4", rounding="stochastic", rng="threefry13")
-    got = spec.quant_kind.quantize(x[None], spec, KEYS[0], None)
-    want = spec.quant_kind.quantize(x[None], dataclasses.replace(spec, rng="threefry"), KEYS[0], None)
-    assert np.any(np.asarray(got.dequantize()) != np.asarray(want.dequantize()))
-    again = spec.quant_kind.quantize(x[None], spec, KEYS[0], None)
-    np.testing.assert_array_equal(np.asarray(got.dequantize()), np.asarray(again.dequantize()))
+
+    @functools.partial(jax.jit, static_argnums=0)  # eagerly, NVFP4's ops compiled one by one: 4 s
+    def dequantized(spec):
+        return spec.quant_kind.quantize(x[None], spec, KEYS[0], None).dequantize()
+
+    got = np.asarray(dequantized(spec))
+    assert np.any(got != np.asarray(dequantized(dataclasses.replace(spec, rng="threefry"))))
+    np.testing.assert_array_equal(got, np.asarray(dequantized(spec)))  # the same key, the same bits again
 
 
 def test_every_preset_keeps_threefry_and_with_sr_rng_changes_only_stochastic_operands():
