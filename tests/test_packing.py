@@ -54,6 +54,16 @@ def _mx(values: np.ndarray, elem: str) -> MXArray:
     return MXArray(data, scale, axis=1, block_size=32, elem=elem)
 
 
+# The quantizers jitted: eagerly each of their ops compiled on its own, per shape (3 s for a test).
+_quantize_mx = jax.jit(quantize_mx, static_argnames=("elem", "axis"))
+_quantize_nvfp4 = jax.jit(quantize_nvfp4, static_argnames="block_2d")
+
+
+def _round_trip(mx):
+    """unpack(pack(mx)), jitted as above."""
+    return jax.jit(lambda m: pack_mx(m).unpack())(mx)
+
+
 def _bytes(data) -> np.ndarray:
     return np.asarray(data.astype(jnp.float8_e4m3fn)).view(np.uint8)
 
@@ -84,8 +94,8 @@ def test_quantized_adversarial_blocks_round_trip(elem, axis):
     x[3, ::32] = 1e4  # one outlier per block
     x[4, 5], x[5, 40], x[6, 70] = np.nan, np.inf, -np.inf
     x[7] = np.resize(np.arange(-16, 16) / 4 + 0.125, 96)  # ties of the coarser grids
-    mx = quantize_mx(jnp.asarray(x if axis == 1 else x.T), elem=elem, axis=axis)
-    back = pack_mx(mx).unpack()
+    mx = _quantize_mx(jnp.asarray(x if axis == 1 else x.T), elem=elem, axis=axis)
+    back = _round_trip(mx)
     assert back.axis == mx.axis and back.block_size == mx.block_size
     np.testing.assert_array_equal(_bytes(back.data), _bytes(mx.data))
     np.testing.assert_array_equal(np.asarray(back.scale).view(np.uint8), np.asarray(mx.scale).view(np.uint8))
@@ -94,16 +104,16 @@ def test_quantized_adversarial_blocks_round_trip(elem, axis):
 
 @pytest.mark.parametrize("elem, bits", [("e2m1", 4), ("e2m3", 6), ("e3m2", 6)])
 def test_packed_size_is_the_formats_bits_plus_one_scale_byte_per_block(elem, bits):
-    mx = quantize_mx(jnp.ones((8, 256)), elem=elem)
-    packed = pack_mx(mx)
+    mx = _quantize_mx(jnp.ones((8, 256)), elem=elem)
+    packed = jax.jit(pack_mx)(mx)
     assert packed.codes.dtype == jnp.uint8
     assert packed.nbytes == 8 * 256 * bits // 8 + 8 * 256 // 32
     assert packed.nbytes * 8 / mx.data.size == bits + 0.25
 
 
 def test_a_packed_array_is_a_pytree_that_jit_carries():
-    mx = quantize_mx(jnp.linspace(-3, 3, 2 * 64).reshape(2, 64), elem="e2m3")
-    packed = pack_mx(mx)
+    mx = _quantize_mx(jnp.linspace(-3, 3, 2 * 64).reshape(2, 64), elem="e2m3")
+    packed = jax.jit(pack_mx)(mx)
     leaves, tree = jax.tree_util.tree_flatten(packed)
     assert [leaf.dtype for leaf in leaves] == [jnp.uint8, jnp.float8_e8m0fnu]
     again = jax.jit(lambda p: p)(jax.tree_util.tree_unflatten(tree, leaves))
@@ -111,7 +121,7 @@ def test_a_packed_array_is_a_pytree_that_jit_carries():
 
 
 def test_formats_stored_at_their_own_width_are_refused():
-    mx = quantize_mx(jnp.ones((2, 64)), elem="e4m3")
+    mx = _quantize_mx(jnp.ones((2, 64)), elem="e4m3")
     with pytest.raises(ValueError, match="e4m3 is stored at its own width already"):
         pack_mx(mx)
 
@@ -125,7 +135,7 @@ def test_nvfp4_packs_two_elements_a_byte_and_unpacks_bit_for_bit(block_2d):
     x[0] = 0.0
     x[1, 3] = 1e5
     x[20, 40] = np.nan
-    q = quantize_nvfp4(jnp.asarray(x), block_2d=block_2d)
+    q = _quantize_nvfp4(jnp.asarray(x), block_2d=block_2d)
     packed = jax.jit(pack_nvfp4)(q)
     values = np.asarray(q.data.astype(jnp.float32), np.float64)
     np.testing.assert_array_equal(np.asarray(packed.codes), reference_pack(values, "e2m1"))
@@ -135,4 +145,5 @@ def test_nvfp4_packs_two_elements_a_byte_and_unpacks_bit_for_bit(block_2d):
     np.testing.assert_array_equal(_bytes(back.data), _bytes(q.data))
     np.testing.assert_array_equal(np.asarray(back.scale).view(np.uint8), np.asarray(q.scale).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(back.global_scale), np.asarray(q.global_scale))
-    np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(q.dequantize()))
+    dequantized = jax.jit(lambda a: a.dequantize())
+    np.testing.assert_array_equal(np.asarray(dequantized(back)), np.asarray(dequantized(q)))
