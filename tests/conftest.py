@@ -11,6 +11,7 @@ Everything here must be set before jax initialises its backends, hence at import
 """
 
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -18,6 +19,12 @@ import sys
 import tempfile
 
 from fp4jax import xla_flags  # reads XLA_FLAGS; imports no jax
+
+# Python's cycle collector: tracing makes millions of short-lived objects, and at the default thresholds
+# (700, 10, 10) a worker spent about 6 % of its time in collections (test_mx_dot.py alone: 2.1 of 35 s;
+# 1 s at these, 2026-12-06). Only how often garbage cycles are looked for changes; see also
+# pytest_collection_finish.
+gc.set_threshold(10_000, 20, 20)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _ON_CPU = os.environ["JAX_PLATFORMS"].split(",")[0].strip() == "cpu"
@@ -155,6 +162,13 @@ def failing_scaled_dot(monkeypatch):
     yield monkeypatch
     probes.scaled_dot_compile_error.cache_clear()
     probes.auto_choice.cache_clear()
+
+
+def pytest_collection_finish(session):
+    """What collection imported (jax, flax, the test modules) lives for the whole session: frozen out of
+    the cycle collector's view, so that its full collections stop walking it again and again."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_addoption(parser):
