@@ -138,7 +138,7 @@ def test_fused_operands_equal_the_reference_operands(axis):
             np.testing.assert_array_equal(
                 np.asarray(getattr(m, field)).view(np.uint8), np.asarray(getattr(r, field)).view(np.uint8)
             )
-        want = fold.fold_mx_to_fp8(r)
+        want = jax.jit(fold.fold_mx_to_fp8)(r)
         np.testing.assert_array_equal(np.asarray(f.data).view(np.uint8), np.asarray(want.data).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(f.row_exponent), np.asarray(want.row_exponent))
 
@@ -193,9 +193,10 @@ def test_the_prescales_are_undone_by_one_multiply_by_the_float32_reciprocal():
     assert (gemm.lhs.prescale, gemm.rhs.prescale) == (0.75, 0.75)
     rng = np.random.default_rng(0)
     a, c = (jnp.asarray(rng.standard_normal((1, rows, 128)), jnp.float32) for rows in (64, 48))
-    qa, qc = quantized_dot.quantize_gemm_operands(
-        a, -1, c, -1, gemm, jax.random.key(1), (None, None), backend="emulate", quantizer="reference"
+    quantize = lambda a, c, key: quantized_dot.quantize_gemm_operands(  # noqa: E731
+        a, -1, c, -1, gemm, key, (None, None), backend="emulate", quantizer="reference"
     )
+    qa, qc = jax.jit(quantize)(a, c, jax.random.key(1))  # op by op, each quantizer step compiled alone
     product = np.asarray(
         backends.matmul(qa, qc, backend="emulate", precision=jax.lax.Precision.HIGHEST, out_dtype=jnp.float32)
     )
