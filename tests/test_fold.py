@@ -7,6 +7,7 @@ NaN block makes the row NaN.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,7 @@ def _random_mx(key, rows, k, exp_low, exp_high, block=32, zero_blocks=0.0) -> MX
     return MXArray(data=values.astype(jnp.float4_e2m1fn), scale=scale, axis=1, block_size=block)
 
 
+@functools.cache  # built on first use, not when each worker collects the module (about 2 s)
 def _inputs():
     key = jax.random.key(7)
     k1, k2, k3, k4, k5 = jax.random.split(key, 5)
@@ -69,9 +71,10 @@ def _inputs():
     }
 
 
-INPUTS = _inputs()
+INPUT_NAMES = ("random", "random_floor_sr", "outlier_rows", "wide_range", "extreme_exponents", "near_window")
 
 fold_jit = jax.jit(fold.fold_mx_to_fp8, static_argnames="fp8_dtype")
+dequantize_jit = jax.jit(lambda x: x.dequantize())
 count_jit = jax.jit(fold.count_fold_flushes)
 fp8_matmul_jit = jax.jit(backends.fp8_matmul, static_argnums=2)
 matmul_jit = jax.jit(backends.matmul, static_argnames=("backend", "precision"))
@@ -82,9 +85,9 @@ matmul_jit = jax.jit(backends.matmul, static_argnames=("backend", "precision"))
 
 
 @pytest.mark.parametrize("fp8", ["e4m3fn", "e4m3fnuz"])
-@pytest.mark.parametrize("name", list(INPUTS))
+@pytest.mark.parametrize("name", INPUT_NAMES)
 def test_fold_matches_reference_and_dequantize(name, fp8):
-    x = INPUTS[name]
+    x = _inputs()[name]
     out = fold_jit(x, fp8_dtype=FP8[fp8])
     assert out.data.dtype == FP8[fp8] and out.row_exponent.dtype == jnp.int32
     q, e = _as_numpy(x)
@@ -106,9 +109,11 @@ def test_fold_matches_reference_and_dequantize(name, fp8):
 
 def test_inputs_exercise_the_window():
     """The wide inputs really contain flushed blocks and blocks on the edge of the window."""
-    assert int(count_jit(INPUTS["extreme_exponents"])) > 100
-    assert int(count_jit(INPUTS["near_window"])) > 0
-    assert int(count_jit(INPUTS["random"])) == 0
+    inputs = _inputs()
+    assert list(inputs) == list(INPUT_NAMES)
+    assert int(count_jit(inputs["extreme_exponents"])) > 100
+    assert int(count_jit(inputs["near_window"])) > 0
+    assert int(count_jit(inputs["random"])) == 0
 
 
 def test_out_of_window_rule():
@@ -123,13 +128,13 @@ def test_out_of_window_rule():
     exps = np.array([[3, 3 - 14, 3 - 15, 3 - 20, 10]])
     scale = jax.lax.bitcast_convert_type(jnp.asarray(exps + 127, jnp.uint8), jnp.float8_e8m0fnu)
     x = MXArray(jnp.asarray(block.reshape(1, 160), jnp.float4_e2m1fn), scale, axis=1, block_size=32)
-    out = fold.fold_mx_to_fp8(x)
+    out = fold_jit(x)
     data = np.asarray(out.data.astype(jnp.float32))[0]
     assert int(out.row_exponent[0]) == 3 - 6 and int(out.flushed_blocks) == 2
     assert data[0] == 6.0 * 64 and data[32] == 2.0**-9
     assert np.all(data[64:] == 0)
     # FNUZ: the same rule, smallest element at FNUZ's smallest subnormal 2^-10.
-    out = fold.fold_mx_to_fp8(x, fp8_dtype=jnp.float8_e4m3fnuz)
+    out = fold_jit(x, fp8_dtype=jnp.float8_e4m3fnuz)
     data = np.asarray(out.data.astype(jnp.float32))[0]
     assert int(out.row_exponent[0]) == 3 - 5 and data[0] == 192 and data[32] == 2.0**-10
     assert int(out.flushed_blocks) == 2
@@ -148,14 +153,14 @@ def test_flushed_elements_are_below_2_to_minus_14_of_their_row(scale_mode, round
     assert np.all(nonzero_max[nonzero_max > 0] >= 3)
     _, _, flushed, mask = reference_fold(q, e, 32, 6, FOLD_WINDOW)
     assert flushed > 0
-    deq = np.abs(np.asarray(x.dequantize(), np.float64))
+    deq = np.abs(np.asarray(dequantize_jit(x), np.float64))
     row_max = deq.max(axis=1, keepdims=True)
     assert np.all(np.where(mask, deq, 0) <= 2.0**-14 * row_max)
 
 
 def test_nan_block_makes_nan_row_and_zero_row_has_exponent_zero():
     x = quantize_mx(jnp.zeros((3, 64)).at[1, 40].set(jnp.inf).at[2, 3].set(1.0))
-    out = fold.fold_mx_to_fp8(x)
+    out = fold_jit(x)
     data = np.asarray(out.data.astype(jnp.float32))
     assert np.all(data[0] == 0) and int(out.row_exponent[0]) == 0 - 6  # all-zero row: E = 0
     assert np.all(np.isnan(data[1])) and int(out.row_exponent[1]) == 0
@@ -235,6 +240,7 @@ def _fp8_vs_emulate_bound(a_deq, c_deq, kinds):
     return rtol * abs_product + 2.0**-126, rtol
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _mx(key, shape, spread=0):
     x = jax.random.normal(key, shape)
     if spread:
@@ -250,7 +256,7 @@ def test_fp8_product_matches_emulate(fp8):
     a, c = _mx(ka, (2, 48, 512), spread=60), _mx(kc, (2, 40, 512), spread=60)
     got = np.asarray(fp8_matmul_jit(a, c, FP8[fp8]), np.float64)
     emulated = np.asarray(matmul_jit(a, c, backend="emulate"), np.float64)
-    a_deq, c_deq = np.asarray(a.dequantize(), np.float64), np.asarray(c.dequantize(), np.float64)
+    a_deq, c_deq = np.asarray(dequantize_jit(a), np.float64), np.asarray(dequantize_jit(c), np.float64)
     bound, rtol = _fp8_vs_emulate_bound(a_deq, c_deq, ("mx", "mx"))
     assert np.all(np.abs(got - emulated) <= bound)
     # The bound is meaningful: on CPU far below the outputs themselves; on a GPU (rows spread over 2^+-60,
@@ -276,7 +282,7 @@ def test_fp8_product_in_bfloat16_is_the_float32_product_rounded():
             np.asarray(narrow).view(np.uint16), np.asarray(wide.astype(jnp.bfloat16)).view(np.uint16)
         )
     else:
-        a_deq, c_deq = np.asarray(a.dequantize(), np.float64), np.asarray(c.dequantize(), np.float64)
+        a_deq, c_deq = np.asarray(dequantize_jit(a), np.float64), np.asarray(dequantize_jit(c), np.float64)
         bound, _ = _fp8_vs_emulate_bound(a_deq, c_deq, ("mx", "mx"))
         difference = np.abs(np.asarray(narrow, np.float64) - np.asarray(wide, np.float64))
         assert np.all(difference <= bound + 2.0**-8 * np.abs(np.asarray(wide, np.float64)))
@@ -291,14 +297,14 @@ def test_fp8_product_mx_times_per_tensor_fp8():
     ka, kc = jax.random.split(jax.random.key(2))
     a = _mx(ka, (1, 32, 256))
     for elem in ("e4m3", "e5m2"):
-        c = quantize_fp8(jax.random.normal(kc, (1, 24, 256)) * 3, elem=elem)
+        c = jax.jit(quantize_fp8, static_argnames="elem")(jax.random.normal(kc, (1, 24, 256)) * 3, elem=elem)
         assert backends.fp8_supports(a, c) and backends.fp8_supports(c, a)
         assert not backends.fp8_supports(a, c, jnp.float8_e4m3fnuz)  # FNUZ does not mix with OCP FP8
         for lhs, rhs in ((a, c), (c, a)):
             got = np.asarray(fp8_matmul_jit(lhs, rhs, jnp.float8_e4m3fn), np.float64)
             emulated = np.asarray(matmul_jit(lhs, rhs, backend="emulate"), np.float64)
-            lhs_deq = np.asarray(lhs.dequantize(), np.float64)
-            rhs_deq = np.asarray(rhs.dequantize(), np.float64)
+            lhs_deq = np.asarray(dequantize_jit(lhs), np.float64)
+            rhs_deq = np.asarray(dequantize_jit(rhs), np.float64)
             kinds = ("mx", "fp8") if lhs is a else ("fp8", "mx")
             bound, _ = _fp8_vs_emulate_bound(lhs_deq, rhs_deq, kinds)
             # CPU: plus the rounding of the float32 multiply by 1/scale, applied in a different place.
