@@ -32,10 +32,18 @@ from fp4jax.training import setup, state, trainer, weights
 from fp4jax.training.errors import ConfigError
 from fp4jax.training.optimizer import make_optimizer
 
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
-
 FIXTURES = (compilation_cache,)
+transformers = torch = None  # imported by _hf_libraries when the module's first test runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hf_libraries():
+    """transformers and torch, the module's reference (its tests skip without them): imported here, not
+    at collection, where they took about 2 s of every pytest-xdist worker's start."""
+    global transformers, torch
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+
 
 # The tiny fp4jax model ("tiny" with the byte-level runs' vocabulary of tiny_runs: 257 padded to 384).
 VOCAB, D, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FF = 384, 64, 2, 4, 2, 16, 192
