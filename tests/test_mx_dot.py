@@ -521,6 +521,7 @@ def test_sr_gradients_are_unbiased():
 # Random Hadamard preset: identify the shared sign vector by exhaustive search, then check exactly.
 
 
+@functools.cache  # on first use, not when each worker collects the module (about 1 s)
 def _sign_classes():
     """Coset representatives of {+-1}^16 modulo the group {+-h_j} (rows of the +-1 Hadamard matrix).
 
@@ -537,12 +538,9 @@ def _sign_classes():
     return np.where(bits == 1, 1.0, -1.0), canonical
 
 
-_SIGN_REPS, _SIGN_CLASS = _sign_classes()
-
-
 def _class_of(signs) -> int:
     code = int(((np.asarray(signs) > 0).astype(np.int64) << np.arange(16)).sum())
-    return int(_SIGN_CLASS[code])
+    return int(_sign_classes()[1][code])
 
 
 def _rotate_candidates(v, signs):
@@ -555,26 +553,28 @@ def _rotate_candidates(v, signs):
 def _find_signs(a_rows, b_cols, got, op):
     """Sign classes s for which Q(a D_s H) Q(H D_s b) reproduces got[:2, :2]; a_rows (2, C), b_cols (C, 2)."""
     kw = dict(axis=-1, elem=op.elem, block_size=op.block_size, scale_mode=op.scale_mode)
-    qa = ref.quantize_mx(_rotate_candidates(a_rows, _SIGN_REPS), **kw).dequantize64()
-    qb = ref.quantize_mx(_rotate_candidates(b_cols.T, _SIGN_REPS), **kw).dequantize64()
+    reps = _sign_classes()[0]
+    qa = ref.quantize_mx(_rotate_candidates(a_rows, reps), **kw).dequantize64()
+    qb = ref.quantize_mx(_rotate_candidates(b_cols.T, reps), **kw).dequantize64()
     prod = np.einsum("sik,sjk->sij", qa, qb)
     scale = np.einsum("sik,sjk->sij", np.abs(qa), np.abs(qb))
     rtol = lanes.gemm_rtol("mx", "mx", a_rows.shape[1])
     ok = (np.abs(prod - got[None, :2, :2]) <= rtol * scale + 1e-30).all(axis=(1, 2))
-    return _SIGN_REPS[ok]
+    return reps[ok]
 
 
 def test_sign_classes():
-    assert _SIGN_REPS.shape == (2048, 16)
+    reps = _sign_classes()[0]
+    assert reps.shape == (2048, 16)
     # Every member of a class gives the same quantized product (the symmetry the search relies on).
     rng = np.random.default_rng(0)
     a = rng.standard_normal((2, 32)).astype(np.float32)
     b = rng.standard_normal((32, 2)).astype(np.float32)
-    s = _SIGN_REPS[123]
+    s = reps[123]
     h = np.sign(ref.hadamard(16))[5]
     ys = [ref.quantized_dot(a, "mk", b, "kn", "mn", MX4, MX4, rotation=16, signs=v) for v in (s, -s * h)]
     np.testing.assert_allclose(ys[0], ys[1], rtol=1e-6)
-    assert _class_of(s) == _class_of(-s * h) != _class_of(_SIGN_REPS[124])
+    assert _class_of(s) == _class_of(-s * h) != _class_of(reps[124])
 
 
 def test_rht_preset_uses_shared_random_signs():
