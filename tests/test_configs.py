@@ -1,6 +1,7 @@
 """Every configs/*.py imports without sys.path edits, resolves to a model, names a real preset; a rung file
 differs from its set-up's baseline only in the recipe; the proxy set-ups keep the study's rules."""
 
+import functools
 import glob
 import importlib.util
 import math
@@ -72,6 +73,15 @@ def test_configs_import_from_anywhere_without_sys_path_edits(tmp_path):
     assert out.stdout.split() == ["ok", str(len(CONFIGS))]
 
 
+@functools.cache  # the configs share a few LlamaConfigs (5 for 30 files), and equal ones trace alike
+def _built_parameters(model_cfg) -> int:
+    """How many parameters the plain Llama of model_cfg initialises, traced (jax.eval_shape)."""
+    shapes = jax.eval_shape(
+        Llama(model_cfg).init, jax.random.key(0), jax.ShapeDtypeStruct((1, 32), jnp.int32)
+    )
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nn.meta.unbox(shapes["params"])))
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_loads_and_its_model_eval_shapes(path):
     cfg = _load(path)
@@ -95,9 +105,7 @@ def test_config_loads_and_its_model_eval_shapes(path):
     # weights exist (test_llama applies one set of params under every recipe). Tracing the plain module's
     # init is 10x faster than tracing the quantized forward pass it runs.
     assert model.config == model_cfg
-    plain = Llama(model_cfg)
-    shapes = jax.eval_shape(plain.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 32), jnp.int32))
-    built = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nn.meta.unbox(shapes["params"])))
+    built = _built_parameters(model_cfg)
     # The module the config builds has exactly the parameters its LlamaConfig describes, counted
     # independently here: embedding and head V x D, per block 4 attention projections, 3 MLP matrices
     # and 2 norm scales, plus the final norm.
