@@ -122,12 +122,16 @@ def _check(x, *, axis, spec, rotation=NO_ROTATION, out="mx", impl="xla", signs=N
 # the rotation
 
 
+# Jitted, as the kernels and the XLA path run it (eagerly each butterfly step compiles on its own).
+_hadamard_rotate = jax.jit(fq.hadamard_rotate, static_argnums=1)
+
+
 def test_rotation_is_the_orthonormal_hadamard_to_float32_rounding():
     x = np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32)
     for size in (16, 32):
         exact = (x.astype(np.float64).reshape(-1, size) @ hadamard(size).astype(np.float64)).reshape(x.shape)
         exact = exact * (np.sqrt(size) * np.float64(hadamard(size)[0, 0]))  # the float32 entry's scale
-        got = np.asarray(fq.hadamard_rotate(jnp.asarray(x), size))
+        got = np.asarray(_hadamard_rotate(jnp.asarray(x), size))
         np.testing.assert_allclose(got, exact, rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(x).max())
 
 
@@ -135,8 +139,8 @@ def test_rotation_equals_rotate_blocks_where_sums_are_exact():
     # Small integers: every H16 product (x / 4) and partial sum is exact, so any summation order agrees.
     x = np.random.default_rng(2).integers(-64, 64, (8, 64)).astype(np.float32)
     signs = random_signs(jax.random.key(0), 16)
-    want = rotate_blocks(x, axis=-1, size=16, signs=signs)
-    got = fq.hadamard_rotate(jnp.asarray(x), 16, jnp.tile(signs, 4)[None])
+    want = jax.jit(rotate_blocks, static_argnames=("axis", "size"))(x, axis=-1, size=16, signs=signs)
+    got = _hadamard_rotate(jnp.asarray(x), 16, jnp.tile(signs, 4)[None])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -151,14 +155,19 @@ def test_rotation_spellings_give_the_same_bits():
     rotated value is below the smallest subnormal, 2^-149."""
     x_np = _hard_inputs(rows=64, cols=128, seed=8)
     x = jnp.asarray(x_np)
-    for size in (16, 32):
-        signs = jnp.tile(random_signs(jax.random.key(size), size), 128 // size)[None]
+
+    @functools.partial(jax.jit, static_argnums=2)  # as the kernels run them (eagerly: 177 programs, 4 s)
+    def spellings(x, signs, size):
         slices = fq.hadamard_rotate(x, size, signs, spelling="slices")
         reductions = fq.hadamard_rotate(x, size, signs, spelling="reductions")
         # hadamard_parts: part k is element k of every block; interleaved back into the row order.
         parts, sign_parts = ([v[:, k::size] for k in range(size)] for v in (x, signs))
         by_parts = tile_math.hadamard_parts(parts, sign_parts)
-        by_parts = jnp.stack(by_parts, axis=-1).reshape(x.shape)
+        return slices, reductions, jnp.stack(by_parts, axis=-1).reshape(x.shape)
+
+    for size in (16, 32):
+        signs = jnp.tile(random_signs(jax.random.key(size), size), 128 // size)[None]
+        slices, reductions, by_parts = spellings(x, signs, size)
         # Bits equal, except that a NaN's sign is unspecified (a NaN makes its block NaN either way).
         nan = np.isnan(np.asarray(slices))
         for other in (reductions, by_parts):
@@ -578,7 +587,7 @@ def test_threefry_formula_is_jax_random_bits():
     for key in FORMULA_KEYS:
         for shape in ((1,), (7,), (3, 5, 7), (2, 3, 4, 33), (2, 3, 16, 2, 32)):
             want = jax.random.bits(key, shape, jnp.uint32)
-            got = threefry.random_bits_of_shape(jax.random.key_data(key), shape)
+            got = jax.jit(threefry.random_bits_of_shape, static_argnums=1)(jax.random.key_data(key), shape)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
