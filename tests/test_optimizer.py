@@ -3,6 +3,7 @@ and the proxy studies' constant-after-warmup."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -46,7 +47,8 @@ def test_cosine_is_the_default_and_constant_keeps_adamw():
     assert float(schedule(jnp.asarray(49))) == pytest.approx(_expected("cosine", 49), rel=1e-5)
     tx, _ = make_optimizer(_opt_cfg(schedule="constant"))
     params = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
-    updates, _ = tx.update({"w": jnp.ones((2, 2)), "b": jnp.ones(2)}, tx.init(params), params)
+    grads = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)  # eagerly: 30 programs
     new = optax.apply_updates(params, updates)
     assert float(new["w"][0, 0]) < 1.0 and float(new["b"][0]) < 0.0  # a step was taken
 
