@@ -165,7 +165,7 @@ def test_pallas_attention_matches_naive_and_xla_gradients():
     def loss(impl):
         return lambda q, k, v: jnp.sum(jnp.sin(llama.causal_attention(q, k, v, impl)))
 
-    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)  # eagerly: 40 programs
     got = jax.jit(jax.grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v)
     for name, g, w in zip("qkv", got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=2 * atol, err_msg=f"d{name}")
