@@ -10,13 +10,12 @@ Coverage checks: n tables, nominal 0.95; the count must lie within 4 binomial sd
 import math
 
 import numpy as np
-import pandas as pd
 import pytest
-import statsmodels.formula.api as smf
-from statsmodels.stats.multitest import multipletests
-from statsmodels.stats.weightstats import DescrStatsW
 
 from fp4jax.study import stats
+
+# statsmodels (and pandas, which it imports) are loaded by the tests that use them, not while every
+# pytest-xdist worker collects this module (about 0.5 s each).
 
 ARMS = ("fp8", "fprop_dgrad", "full", "full_sr")
 SHARE_NUM = {"full": 1, "fprop_dgrad": -1}  # C1
@@ -38,6 +37,9 @@ def blocks(n):
 
 def ols(y):
     """statsmodels' OLS of loss ~ arm + block over the observed cells (fp8 and seed0 the reference)."""
+    import pandas as pd
+    import statsmodels.formula.api as smf
+
     rows = [
         {"loss": y[i, j], "arm": arm, "block": f"seed{j}"}
         for i, arm in enumerate(ARMS)
@@ -82,11 +84,15 @@ def test_pooled_contrasts_match_statsmodels_ols(missing):
 
 
 def test_holm_matches_statsmodels():
+    from statsmodels.stats.multitest import multipletests
+
     p = np.random.default_rng(2).uniform(0, 0.2, 9)
     assert stats.holm(p) == pytest.approx(multipletests(p, method="holm")[1], abs=1e-15)
 
 
 def test_paired_t_matches_statsmodels_one_sample_t():
+    from statsmodels.stats.weightstats import DescrStatsW
+
     values = np.array([0.012, 0.004, 0.021, 0.009])
     ours = stats.paired_t(values)
     reference = DescrStatsW(values)
@@ -124,6 +130,8 @@ def test_pooled_fieller_ends_are_where_statsmodels_t_test_reaches_p_0_05():
 
 
 def paired_p(num, den, r):
+    from statsmodels.stats.weightstats import DescrStatsW
+
     return DescrStatsW(np.asarray(num) - r * np.asarray(den)).ttest_mean(0.0)[1]
 
 
