@@ -228,9 +228,9 @@ def test_export_reloads_in_transformers_bit_for_bit(hf_model, converted, tmp_pat
         assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
 
 
-def test_fp4jax_to_hf_to_fp4jax_changes_no_bit(tmp_path, hf_dir, token_cache):
+def test_fp4jax_to_hf_to_fp4jax_changes_no_bit(tmp_path, converted, token_cache):
     """From a trained run's checkpoint (not a Hugging Face import): step 2 of a run started from one."""
-    run = _train_from_import(tmp_path, token_cache, hf_dir)
+    run = _train_from_import(tmp_path, token_cache, converted)
     out, back = tmp_path / "hf", tmp_path / "back"
     assert (
         convert.main(["to-hf", "--ckpt", str(run), "--step", "2", "--out", str(out), "--dtype", "float32"])
@@ -243,20 +243,19 @@ def test_fp4jax_to_hf_to_fp4jax_changes_no_bit(tmp_path, hf_dir, token_cache):
 # ------------------------------------------------------------------------------------------- training
 
 
-def _train_from_import(tmp_path, token_cache, hf_dir, **overrides):
-    ckpt = tmp_path / "imported"
-    if not ckpt.exists():
-        assert convert.main(["from-hf", "--hf", str(hf_dir), "--out", str(ckpt)]) == 0
-    config = tiny_config(token_cache, init_params=str(ckpt), steps=2, checkpoint_every_steps=2, **overrides)
+def _train_from_import(tmp_path, token_cache, imported, **overrides):
+    """A 2-step run in tmp_path/run started from `imported` (the module's import, which it only reads)."""
+    config = tiny_config(
+        token_cache, init_params=str(imported), steps=2, checkpoint_every_steps=2, **overrides
+    )
     trainer.train(config, str(tmp_path / "run"))
     return tmp_path / "run"
 
 
-def test_a_run_starts_from_the_import_with_a_fresh_optimizer_at_step_0(tmp_path, hf_dir, token_cache):
+def test_a_run_starts_from_the_import_with_a_fresh_optimizer_at_step_0(tmp_path, converted, token_cache):
     config = tiny_config(token_cache, recipe="bf16", init_params="unused")
-    ckpt = tmp_path / "imported"
-    assert convert.main(["from-hf", "--hf", str(hf_dir), "--out", str(ckpt)]) == 0
-    run = _train_from_import(tmp_path, token_cache, hf_dir, recipe="bf16")
+    ckpt = converted
+    run = _train_from_import(tmp_path, token_cache, ckpt, recipe="bf16")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["init_params"] == {"path": str(ckpt), "step": 0} and summary["resumed_from_step"] is None
     saved = weights.find_step_dir(str(run), 2, "test")
