@@ -443,10 +443,12 @@ def test_next_batches_refuse_to_run_into_seen_text(good_run):
 
 
 def test_the_command_measures_on_the_next_batches(good_run, tmp_path, capsys):
+    """One stage (wgrad): the data mode is what is tested here, and each stage compiles its own gradient
+    (all three: 13 s alone, one: 6 s); every stage is run by the long lane's test_command_on_the_tiny_run."""
     out = tmp_path / "next"
     argv = ["instruments", "--run", str(good_run), "--out", str(out), "--batches", "2", "--batch", "2"]
-    assert main([*argv, "--steps", "2,4", "--data", "next"]) == 0
+    assert main([*argv, "--steps", "2,4", "--stages", "wgrad", "--data", "next"]) == 0
     result = json.loads((out / "instruments.json").read_text())
-    assert result["data"] == "next" and list(result["steps"]) == ["2", "4"]
+    assert result["data"] == "next" and list(result["steps"]) == ["2", "4"] and result["stages"] == ["wgrad"]
     assert main([*argv, "--data", "next", "--seq-len", "8"]) == 2
     assert "--data next reads the run's own windows" in capsys.readouterr().err
