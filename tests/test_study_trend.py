@@ -1,12 +1,13 @@
 """study.trend: the scale trend's entries from each setting's claims report, the amendment's decision on
-planted intervals, bad settings files in one line, and the committed scale_trend report regenerating."""
+planted intervals, the instruments across tokens per step and their condition on planted figures, bad
+settings files and instrument sets in one line, and the committed scale_trend report regenerating."""
 
 import json
 import os
 
 import pytest
 
-from fp4jax.study import trend
+from fp4jax.study import instrument_trend, trend
 from fp4jax.study.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,3 +91,64 @@ def test_the_committed_scale_trend_regenerates(tmp_path):
     with open(os.path.join(committed, "scale_trend.json"), encoding="utf-8") as f:
         assert json.loads((tmp_path / "scale_trend.json").read_text()) == json.load(f)
     assert (tmp_path / "scale_trend.png").stat().st_size > 10_000
+    assert (tmp_path / "scale_trend_instruments.png").stat().st_size > 10_000
+
+
+def _instruments_file(directory, accumulate, ratios, *, step=600, run="runs/x", batches=8):
+    """An instruments.json as the command writes it, with planted whole-model figures per stage."""
+
+    def stage(ratio):
+        gradient = {"noise_ratio": ratio, "coherence": 1.5, "grad_coherence": 2.0, "sqrt3_ratio": 1 / ratio,
+                    "err_norm": ratio * 0.1, "noise_norm": 0.1}  # fmt: skip
+        return {
+            "gradient": {"all": gradient, "q": gradient},
+            "update": {"all": {"rel_err": ratio / 3, "cos": 0.99}},
+        }
+
+    data = {"run": run, "recipe": "fp8_mlperf", "batches": batches, "batch": 32, "seq_len": 1024,
+            "data": "next", "accumulate": accumulate, "tokens_per_step": accumulate * 32 * 1024,
+            "steps": {str(step): {s: stage(r) for s, r in ratios.items()}}}  # fmt: skip
+    path = directory / f"A{accumulate}"
+    path.mkdir(parents=True)
+    (path / "instruments.json").write_text(json.dumps(data))
+
+
+def test_the_instrument_set_reads_every_A_and_the_condition_compares_wgrad_with_fprop(tmp_path):
+    _instruments_file(tmp_path, 8, {"fprop": 0.3, "dgrad": 0.1, "wgrad": 0.5})
+    _instruments_file(tmp_path, 1, {"fprop": 0.2, "dgrad": 0.1, "wgrad": 0.1})
+    (tmp_path / "notes").mkdir()  # not an A<k> directory: ignored
+    measured = instrument_trend.load_set(str(tmp_path), 600)
+    assert [r["accumulate"] for r in measured["rows"]] == [1, 8]  # ascending tokens per step
+    assert measured["rows"][1]["wgrad"]["noise_ratio"] == 0.5
+    assert measured["rows"][1]["fprop"]["update_rel_err"] == 0.3 / 3
+    met = instrument_trend.condition(measured, 262144)
+    assert met["met"] is True and met["wgrad_noise_ratio"] == 0.5 and met["fprop_noise_ratio"] == 0.3
+    assert instrument_trend.condition(measured, 32768)["met"] is False  # equal is not above
+    assert instrument_trend.condition(measured, 65536)["met"] is None
+    text = "\n".join(instrument_trend.rows_markdown(measured))
+    assert "| 262,144 | 8 | wgrad | 0.500 | 1.50 (2.00) | 2.00 | 0.1667 | 0.9900 |" in text
+
+
+def test_an_instrument_set_that_varies_more_than_A_is_refused_in_one_line(tmp_path):
+    _instruments_file(tmp_path, 1, {"fprop": 0.2, "dgrad": 0.1, "wgrad": 0.1})
+    _instruments_file(tmp_path, 2, {"fprop": 0.2, "dgrad": 0.1, "wgrad": 0.1}, run="runs/other")
+    with pytest.raises(ValueError, match=r"A2/instruments.json: differs from .* in \['run'\]"):
+        instrument_trend.load_set(str(tmp_path), 600)
+    with pytest.raises(ValueError, match="no checkpoint step 250"):
+        instrument_trend.load_set(str(tmp_path / "A1" / ".."), 250)
+    with pytest.raises(ValueError, match="no A<k>/instruments.json"):
+        instrument_trend.load_set(str(tmp_path / "notes"), 600)
+
+
+def test_a_settings_files_instrument_set_enters_the_trend_and_its_report(tmp_path):
+    _instruments_file(tmp_path / "set", 8, {"fprop": 0.3, "dgrad": 0.1, "wgrad": 0.1})
+    settings = [trend.Setting("small", 150_000_000, 32768, str(tmp_path / "absent.json"), "a.toml")]
+    sets = [trend.InstrumentSet("small trunk", 150_000_000, str(tmp_path / "set"), 600, 262144),
+            trend.InstrumentSet("absent", 1, str(tmp_path / "none"), 600, 262144)]  # fmt: skip
+    result = trend.trend(settings, {}, sets)
+    measured, absent = result["instruments"]
+    assert measured["condition"]["met"] is False and absent["status"] == "not run"
+    text = trend.to_markdown(result)
+    assert "### Instruments: small trunk (150M parameters)" in text
+    assert "**not met** (Wgrad's error-to-noise ratio 0.100 <= Fprop's 0.300)" in text
+    assert "Not run (no " in text

@@ -375,3 +375,33 @@ def plot_trend(result: dict, path: str) -> str:
     fig.tight_layout()
     save_png(fig, path, dpi=120)
     return path
+
+
+def plot_instrument_trend(sets: list[dict], path: str) -> str:
+    """The instruments across tokens per step (study.instrument_trend): per GEMM stage alone in MXFP4, the
+    gradient's error against minibatch noise and the update's relative error, one line per stage (one
+    line style per set); point figures, no intervals. Returns the path."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (
+        ("noise_ratio", "gradient error / minibatch noise"),
+        ("update_rel_err", "update relative error"),
+    )
+    styles = ("-", "--", ":", "-.")
+    for ax, (field, title) in zip(axes, panels, strict=True):
+        for i, entry in enumerate(sets):
+            x = [row["tokens_per_step"] for row in entry["rows"]]
+            for j, stage in enumerate(("fprop", "dgrad", "wgrad")):
+                y = [row[stage][field] for row in entry["rows"]]
+                label = f"{stage}, {entry['label']}" if len(sets) > 1 else stage
+                ax.plot(x, y, styles[i % len(styles)], marker="o", color=f"C{j}", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="tokens per step (gradient accumulation)", title=title)
+        ticks = sorted({row["tokens_per_step"] for entry in sets for row in entry["rows"]})
+        ax.set_xticks(ticks, [f"{t // 1024}k" for t in ticks])
+        ax.set_xticks([], minor=True)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("One GEMM stage in MXFP4 at a time, against bf16, on one FP8 checkpoint", fontsize=10)
+    fig.tight_layout()
+    save_png(fig, path, dpi=120)
+    return path

@@ -6,7 +6,10 @@ setting's claims report, beside the study's 8B point and the MLPerf production p
 
 A settings file lists, per setting, its label, parameters, tokens per step, the claims report (a
 `<stage>_claims_at<step>.json` the study's `report` wrote) and the plan that produces it; a setting whose
-report does not exist yet is listed as not run. Writes OUT/scale_trend.md, .json and .png. The decision
+report does not exist yet is listed as not run. Its `[[instruments]]` entries name sets of the mechanism
+instruments across tokens per step (study.instrument_trend), each with the checkpoint step read and the
+tokens per step at which the amendment's condition for a larger-batch branching set is evaluated. Writes
+OUT/scale_trend.md, .json and .png, and OUT/scale_trend_instruments.png where a set exists. The decision
 is the amendment's rule, applied to the pooled Fieller intervals:
 - supported when Wgrad's share's interval at the largest setting run lies wholly above the first
   setting's (the 125M one);
@@ -22,9 +25,9 @@ import json
 import os
 import tomllib
 
-from fp4jax.study import plots, report
+from fp4jax.study import instrument_trend, plots, report
 
-__all__ = ["Setting", "decide", "load_settings", "to_markdown", "trend", "write_trend"]
+__all__ = ["InstrumentSet", "Setting", "decide", "load_settings", "to_markdown", "trend", "write_trend"]
 
 MEASURES = ("wgrad_share", "h16_recovery")
 
@@ -41,19 +44,37 @@ class Setting:
     plan: str
 
 
-def load_settings(path: str) -> tuple[list[Setting], dict]:
-    """The settings file's [[settings]] (in order: the first is the reference setting) and [references]."""
+@dataclasses.dataclass(frozen=True)
+class InstrumentSet:
+    """The instruments on one checkpoint at several tokens per step: `directory` holds A<k>/instruments.json
+    (study.instrument_trend); `condition_tokens_per_step` is where the amendment's condition is read."""
+
+    label: str
+    params: int
+    directory: str
+    step: int
+    condition_tokens_per_step: int
+
+
+def _entries(path: str, table: dict, key: str, cls) -> list:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    out = []
+    for i, entry in enumerate(table.get(key, [])):
+        if set(entry) != fields:
+            raise ValueError(f"{path}: {key}[{i}] needs exactly {sorted(fields)}, not {sorted(entry)}")
+        out.append(cls(**entry))
+    return out
+
+
+def load_settings(path: str) -> tuple[list[Setting], dict, list[InstrumentSet]]:
+    """The settings file's [[settings]] (in order: the first is the reference setting), [references] and
+    [[instruments]]."""
     with open(path, "rb") as f:
         table = tomllib.load(f)
-    fields = {f.name for f in dataclasses.fields(Setting)}
-    settings = []
-    for i, entry in enumerate(table.get("settings", [])):
-        if set(entry) != fields:
-            raise ValueError(f"{path}: settings[{i}] needs exactly {sorted(fields)}, not {sorted(entry)}")
-        settings.append(Setting(**entry))
+    settings = _entries(path, table, "settings", Setting)
     if not settings:
         raise ValueError(f"{path}: no [[settings]]: list at least the 125M setting")
-    return settings, dict(table.get("references", {}))
+    return settings, dict(table.get("references", {})), _entries(path, table, "instruments", InstrumentSet)
 
 
 def _interval(measure: dict | None) -> dict | None:
@@ -105,11 +126,26 @@ def decide(entries: list[dict], share_at_8b: float) -> dict:
     return {"verdict": "not resolved", "why": "the intervals overlap, or rise without clearing the first"}
 
 
-def trend(settings: list[Setting], references: dict) -> dict:
-    """The trend as JSON-ready data: one entry per setting, the references, the decision."""
+def _instrument_entry(spec: InstrumentSet) -> dict:
+    entry = dataclasses.asdict(spec)
+    if not os.path.isdir(spec.directory):
+        return {**entry, "status": "not run", "rows": [], "condition": None}
+    measured = instrument_trend.load_set(spec.directory, spec.step)
+    condition = instrument_trend.condition(measured, spec.condition_tokens_per_step)
+    return {**entry, "status": "measured", **measured, "condition": condition}
+
+
+def trend(settings: list[Setting], references: dict, instruments: list[InstrumentSet] = ()) -> dict:
+    """The trend as JSON-ready data: one entry per setting, the references, the decision, and each
+    instrument set with its condition."""
     entries = [_entry(s) for s in settings]
     share_at_8b = references.get("study_8b", {}).get("wgrad_share", 0.6)
-    return {"settings": entries, "references": references, "decision": decide(entries, share_at_8b)}
+    return {
+        "settings": entries,
+        "references": references,
+        "decision": decide(entries, share_at_8b),
+        "instruments": [_instrument_entry(i) for i in instruments],
+    }
 
 
 def _ends(interval: dict) -> str:
@@ -147,12 +183,47 @@ def to_markdown(result: dict) -> str:
         lines.append(f"- {name}: {ref['source']}")
     decision = result["decision"]
     lines += ["", f"H-scale: **{decision['verdict']}** ({decision['why']})."]
+    for entry in result.get("instruments", []):
+        lines += ["", *_instruments_markdown(entry)]
     return "\n".join(lines) + "\n"
+
+
+def _instruments_markdown(entry: dict) -> list[str]:
+    head = f"### Instruments: {entry['label']} ({entry['params'] / 1e6:,.0f}M parameters)"
+    if entry["status"] == "not run":
+        return [head, "", f"Not run (no {entry['directory']})."]
+    shared = entry["shared"]
+    lines = [
+        head,
+        "",
+        f"Checkpoint {shared['step']} of `{shared['run']}` ({shared['recipe']}), {shared['batches']} batches "
+        f"of A x {shared['batch']} sequences of {shared['seq_len']} tokens from `{shared['data']}`; one GEMM "
+        "stage in MXFP4 at a time against bf16, whole-model figures (docs/diagnostics.md). Point figures "
+        "from one checkpoint: no interval.",
+        "",
+        *instrument_trend.rows_markdown(entry),
+    ]
+    condition = entry["condition"]
+    met = {True: "met", False: "not met", None: "not evaluated"}[condition["met"]]
+    lines += [
+        "",
+        f"Condition for a branching set at {condition['tokens_per_step']:,} tokens per step (Wgrad's "
+        f"error-to-noise ratio above Fprop's there): **{met}** ({condition['why']}).",
+    ]
+    return lines
 
 
 def write_trend(settings_path: str, out: str | None) -> dict:
     """The trend of `settings_path`'s settings, printed and written to OUT/scale_trend.md/.json/.png."""
     result = trend(*load_settings(settings_path))
     base = None if out is None else os.path.join(out, "scale_trend")
-    report.write(base, to_markdown(result), result, draw=lambda b: [plots.plot_trend(result, b + ".png")])
+    report.write(base, to_markdown(result), result, draw=lambda b: _draw(result, b))
     return result
+
+
+def _draw(result: dict, base: str) -> list[str]:
+    paths = [plots.plot_trend(result, base + ".png")]
+    measured = [e for e in result["instruments"] if e["status"] == "measured"]
+    if measured:
+        paths.append(plots.plot_instrument_trend(measured, base + "_instruments.png"))
+    return paths
