@@ -236,7 +236,8 @@ def _add(total, value):
 
 
 def measure(grad_fn: Callable, update: Callable, params, opt_state, batches: Sequence, stages: Sequence[str]):
-    """{stage: {"gradient": gradient_metrics, "update": update_metrics}} on one checkpoint.
+    """{stage: {"gradient": gradient_metrics, "update": update_metrics, "per_batch": {"err_sq": {group:
+    [||e_k||^2 for each batch k]}}}} on one checkpoint.
 
     grad_fn(stage, params, batch) -> gradient pytree (stage None: the bf16 shadow); update(grads,
     opt_state, params) -> the optimizer's update pytree. `batches` are K disjoint batches, K even >= 2:
@@ -248,6 +249,7 @@ def measure(grad_fn: Callable, update: Callable, params, opt_state, batches: Seq
         raise ValueError(f"the instruments need an even number >= 2 of batches, got {k}: set --batches")
     noise_sq = grad_sq = grad_sum = previous = None
     err_sq, err_sum, upd = ({s: None for s in stages} for _ in range(3))
+    err_sq_each = {s: [] for s in stages}  # per batch, for intervals over batches (instrument_trend)
     for i, batch in enumerate(batches):
         g_ref = grad_fn(None, params, batch)
         u_ref = update(g_ref, opt_state, params)
@@ -260,13 +262,16 @@ def measure(grad_fn: Callable, update: Callable, params, opt_state, batches: Seq
             err, e_sq, sums = _batch_terms(g_q, g_ref, update(g_q, opt_state, params), u_ref)
             err_sq[stage], err_sum[stage] = _add(err_sq[stage], e_sq), _add(err_sum[stage], err)
             upd[stage] = _add(upd[stage], sums)
+            err_sq_each[stage].append(e_sq)
     shared = jax.device_get({"noise_sq": noise_sq, "grad_sq": grad_sq, "grad_sum_sq": sq_norms(grad_sum)})
     out = {}
     for stage in stages:
         sums = {**shared, **jax.device_get({"err_sq": err_sq[stage], "err_sum_sq": sq_norms(err_sum[stage])})}
+        each = jax.device_get(err_sq_each[stage])
         out[stage] = {
             "gradient": gradient_metrics(sums, k),
             "update": update_metrics(jax.device_get(upd[stage])),
+            "per_batch": {"err_sq": {g: [float(e[g]) for e in each] for g in each[0]}},
         }
     return out
 

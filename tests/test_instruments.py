@@ -179,6 +179,22 @@ def test_noise_ratio_against_a_numpy_reference(tiny_model):
     np.testing.assert_allclose(metrics["grad_norm"], math.sqrt(np.mean([np.sum(x**2) for x in g])), rtol=1e-5)
 
 
+def test_per_batch_errors_are_each_batchs_own_and_sum_to_the_whole(tiny_model):
+    """e_k = (k + 1) b: batch k's squared error norm is (k + 1)^2 ||b||^2 (b's norm taken here in float64),
+    in batch order, and the batches' errors make up err_norm."""
+    _, params, batches, grad = tiny_model
+    bias = normal_like(params, jax.random.key(7), 1e-3)
+    error = lambda k: jax.tree.map(lambda x: (k + 1) * x, bias)  # noqa: E731
+    result = ins.measure(planted(grad, batches, error), identity_update, params, None, batches, ["dgrad"])
+    flat = np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(bias)])
+    each = result["dgrad"]["per_batch"]["err_sq"]
+    expected = [(k + 1) ** 2 * np.sum(flat**2) for k in range(K)]
+    np.testing.assert_allclose(each[ins.ALL], expected, rtol=1e-4)
+    assert set(each) == set(result["dgrad"]["gradient"])
+    err_norm = result["dgrad"]["gradient"][ins.ALL]["err_norm"]
+    np.testing.assert_allclose(math.sqrt(np.mean(each[ins.ALL])), err_norm, rtol=1e-6)
+
+
 def test_sqrt3_ratio_of_a_planted_error_is_chmiels_formula(tiny_model):
     """e_k = b: sqrt3_ratio = sqrt(sum_k ||g_k||^2 / (3 K ||b||^2)) per group, the gradients and the
     norms taken here in float64; b scaled so the whole model sits near the threshold (ratio ~ 1)."""

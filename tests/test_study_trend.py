@@ -3,6 +3,7 @@ planted intervals, the instruments across tokens per step and their condition on
 settings files and instrument sets in one line, and the committed scale_trend report regenerating."""
 
 import json
+import math
 import os
 
 import pytest
@@ -94,8 +95,9 @@ def test_the_committed_scale_trend_regenerates(tmp_path):
     assert (tmp_path / "scale_trend_instruments.png").stat().st_size > 10_000
 
 
-def _instruments_file(directory, accumulate, ratios, *, step=600, run="runs/x", batches=8):
-    """An instruments.json as the command writes it, with planted whole-model figures per stage."""
+def _instruments_file(directory, accumulate, ratios, *, step=600, run="runs/x", batches=8, per_batch=None):
+    """An instruments.json as the command writes it, with planted whole-model figures per stage (and,
+    given `per_batch` {stage: [||e_k||^2, ...]}, each batch's squared error)."""
 
     def stage(ratio):
         gradient = {"noise_ratio": ratio, "coherence": 1.5, "grad_coherence": 2.0, "sqrt3_ratio": 1 / ratio,
@@ -108,6 +110,8 @@ def _instruments_file(directory, accumulate, ratios, *, step=600, run="runs/x", 
     data = {"run": run, "recipe": "fp8_mlperf", "batches": batches, "batch": 32, "seq_len": 1024,
             "data": "next", "accumulate": accumulate, "tokens_per_step": accumulate * 32 * 1024,
             "steps": {str(step): {s: stage(r) for s, r in ratios.items()}}}  # fmt: skip
+    for stage, each in (per_batch or {}).items():
+        data["steps"][str(step)][stage]["per_batch"] = {"err_sq": {"all": each, "q": each}}
     path = directory / f"A{accumulate}"
     path.mkdir(parents=True)
     (path / "instruments.json").write_text(json.dumps(data))
@@ -150,5 +154,29 @@ def test_a_settings_files_instrument_set_enters_the_trend_and_its_report(tmp_pat
     assert measured["condition"]["met"] is False and absent["status"] == "not run"
     text = trend.to_markdown(result)
     assert "### Instruments: small trunk (150M parameters)" in text
-    assert "**not met** (Wgrad's error-to-noise ratio 0.100 <= Fprop's 0.300)" in text
+    assert "**not met** (Wgrad's error-to-noise ratio 0.100 <= Fprop's 0.300; no interval" in text
     assert "Not run (no " in text
+
+
+def test_the_conditions_interval_is_a_paired_bootstrap_over_the_batches(tmp_path):
+    """Wgrad's and Fprop's ratios share the noise, so their quotient is sqrt(sum W_k / sum F_k): exactly 2
+    with no spread where every batch has W_k = 4 F_k; otherwise an interval around the estimate that
+    pairing keeps narrower than resampling the two stages independently would."""
+    fprop = [1.0, 3.0, 0.5, 2.0, 1.5, 4.0, 0.8, 2.5]
+    _instruments_file(tmp_path / "exact", 8, {"fprop": 0.2, "dgrad": 0.1, "wgrad": 0.4},
+                      per_batch={"fprop": fprop, "wgrad": [4 * f for f in fprop]})  # fmt: skip
+    exact = instrument_trend.condition(instrument_trend.load_set(str(tmp_path / "exact"), 600), 262144)
+    assert exact["wgrad_over_fprop"] == pytest.approx({"estimate": 2.0, "lo": 2.0, "hi": 2.0, "batches": 8})
+    assert "Wgrad / Fprop 2.00 [2.00, 2.00], bootstrap over 8 batches" in exact["why"]
+    wgrad = [0.3 * f + 0.1 * (-1) ** k for k, f in enumerate(fprop)]
+    _instruments_file(tmp_path / "spread", 8, {"fprop": 0.2, "dgrad": 0.1, "wgrad": 0.1},
+                      per_batch={"fprop": fprop, "wgrad": wgrad})  # fmt: skip
+    spread = instrument_trend.condition(instrument_trend.load_set(str(tmp_path / "spread"), 600), 262144)
+    q = spread["wgrad_over_fprop"]
+    assert q["estimate"] == pytest.approx(math.sqrt(sum(wgrad) / sum(fprop)))
+    assert q["lo"] < q["estimate"] < q["hi"] and q["hi"] - q["lo"] < 0.2
+    again = instrument_trend.condition(instrument_trend.load_set(str(tmp_path / "spread"), 600), 262144)
+    assert again == spread  # a fixed seed: the report regenerates
+    _instruments_file(tmp_path / "old", 8, {"fprop": 0.2, "dgrad": 0.1, "wgrad": 0.1})
+    old = instrument_trend.condition(instrument_trend.load_set(str(tmp_path / "old"), 600), 262144)
+    assert old["wgrad_over_fprop"] is None and "no interval" in old["why"]

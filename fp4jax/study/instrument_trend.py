@@ -14,18 +14,27 @@ refused: the A's must differ in A alone.
 
 The condition (written before the runs): the 125M set at 262,144 tokens per step is run only if the
 instruments predict a larger Wgrad share there, read as Wgrad's whole-model error-to-noise ratio
-(`noise_ratio`, group "all") at that batch above Fprop's. It is a prediction, not a verdict, and the
-instruments give point figures (K batches of one checkpoint, no interval); the report says so.
+(`noise_ratio`, group "all") at that batch above Fprop's. It is a prediction, not a verdict. Both ratios
+share their denominator (the same batches' minibatch noise), so their quotient is
+sqrt(sum_k ||e_wgrad,k||^2 / sum_k ||e_fprop,k||^2); where the files keep each batch's squared error
+(`per_batch`), its 95 % interval is a paired percentile bootstrap over the K batches (scipy, a fixed
+seed, so a report regenerates byte for byte). It spans one checkpoint's batches, not checkpoints or
+trunks. Files written before the instruments kept per-batch errors have no interval, and the report says so.
 """
 
 from __future__ import annotations
 
 import glob
+import inspect
 import json
+import math
 import os
 import re
 
-__all__ = ["STAGES", "condition", "load_set", "rows_markdown"]
+import numpy as np
+from scipy import stats
+
+__all__ = ["STAGES", "condition", "error_quotient_interval", "load_set", "rows_markdown"]
 
 STAGES = ("fprop", "dgrad", "wgrad")
 # The whole-model figures carried into the trend, per stage: the gradient's (instruments.gradient_metrics)
@@ -72,7 +81,38 @@ def _row(data: dict, at: dict) -> dict:
             **{f: gradient[f] for f in GRADIENT_FIELDS},
             **{f"update_{f}": update[f] for f in UPDATE_FIELDS},
         }
+        per_batch = at[stage].get("per_batch")
+        if per_batch is not None:
+            row[stage]["err_sq_per_batch"] = per_batch["err_sq"]["all"]
     return row
+
+
+BOOTSTRAP_RESAMPLES = 9999
+BOOTSTRAP_SEED = 0
+
+
+def error_quotient_interval(numerator: list[float], denominator: list[float]) -> dict:
+    """sqrt(sum numerator / sum denominator) over paired per-batch squared errors, with its 95 %
+    percentile-bootstrap interval (batches resampled in pairs)."""
+
+    def quotient(num, den, axis=-1):
+        return np.sqrt(np.sum(num, axis=axis) / np.sum(den, axis=axis))
+
+    seed = np.random.default_rng(BOOTSTRAP_SEED)
+    # scipy 1.15 renamed random_state to rng; the project supports scipy >= 1.11
+    key = "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"
+    result = stats.bootstrap(
+        (np.asarray(numerator), np.asarray(denominator)),
+        quotient,
+        paired=True,
+        vectorized=True,
+        n_resamples=BOOTSTRAP_RESAMPLES,
+        method="percentile",
+        **{key: seed},
+    )
+    ci = result.confidence_interval
+    estimate = math.sqrt(sum(numerator) / sum(denominator))
+    return {"estimate": estimate, "lo": float(ci.low), "hi": float(ci.high), "batches": len(numerator)}
 
 
 def condition(instrument_set: dict, tokens_per_step: int) -> dict:
@@ -82,13 +122,26 @@ def condition(instrument_set: dict, tokens_per_step: int) -> dict:
     if row is None:
         return {"tokens_per_step": tokens_per_step, "met": None, "why": "no instruments at this batch"}
     wgrad, fprop = row["wgrad"]["noise_ratio"], row["fprop"]["noise_ratio"]
+    kept = all("err_sq_per_batch" in row[s] for s in ("wgrad", "fprop"))
+    quotient = (
+        error_quotient_interval(row["wgrad"]["err_sq_per_batch"], row["fprop"]["err_sq_per_batch"])
+        if kept
+        else None
+    )
+    spread = (
+        f"; Wgrad / Fprop {quotient['estimate']:.2f} [{quotient['lo']:.2f}, {quotient['hi']:.2f}], "
+        f"bootstrap over {quotient['batches']} batches"
+        if quotient
+        else "; no interval: these files keep no per-batch errors"
+    )
     return {
         "tokens_per_step": tokens_per_step,
         "wgrad_noise_ratio": wgrad,
         "fprop_noise_ratio": fprop,
+        "wgrad_over_fprop": quotient,
         "met": wgrad > fprop,
         "why": f"Wgrad's error-to-noise ratio {wgrad:.3f} {'>' if wgrad > fprop else '<='} "
-        f"Fprop's {fprop:.3f}",
+        f"Fprop's {fprop:.3f}{spread}",
     }
 
 
