@@ -32,6 +32,11 @@ drift of the device's clocks touches every variant alike; a row reports the medi
 donated: every step starts from the same state, which the variants share (one copy of the 1B state, not
 one per variant); the trainer's donated step is up to a few percent faster, alike for all rows.
 
+Memory: not donated, the 1B step holds the state, the new state and its temporaries, about 64 GiB
+(MEMORY_FRACTION's comment has the arithmetic), more than JAX's default pool of 75 % of an 80 GB card.
+XLA_PYTHON_CLIENT_MEM_FRACTION is set to 0.95 unless given; a compiled step larger than what the pool has
+free is not run, its row names the fix (`step_buffers_gib` in each row: XLA's outputs and temporaries).
+
 Peers are optional (`pip install '.[peers]'` for qwix; jax.nn's configurations come with jax where this
 jax and device compile them). A variant that cannot run here is skipped with its reason in the table and
 the JSON, never silently: which jax.nn modes exist and compile is found by compiling a small one here, not
