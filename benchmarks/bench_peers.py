@@ -338,9 +338,9 @@ def nvfp4_tensor_scaled(call, dimension_numbers, out_dtype, lhs, rhs):
     global_scale 1), the float32 product multiplied by both scales after, then cast to `out_dtype`.
 
     The gradient is jax.nn's NVFP4 gradient (jax 0.10 to 0.11): both gradient GEMMs unquantized, on the
-    saved operands in their dtype, the output's gradient cast to `out_dtype`; its straight-through mask
-    (|x| <= global_scale * 448 * 6) keeps every element under the per-tensor scale. Written out because
-    differentiating through the division would hand jax.nn float32 quotients: float32 gradient GEMMs."""
+    saved operands in their dtype; its straight-through mask (|x| <= global_scale * 448 * 6) passes every
+    element under the per-tensor scale, so it is left out. Written out because differentiating through
+    the division would hand jax.nn float32 quotients, and its gradient GEMMs would run in float32."""
     return _nvfp4_forward(call, dimension_numbers, out_dtype, lhs, rhs)[0]
 
 
@@ -355,7 +355,7 @@ def _nvfp4_backward(call, dimension_numbers, out_dtype, residuals, g):
     dot = functools.partial(
         jax.lax.dot_general, dimension_numbers=dimension_numbers, preferred_element_type=out_dtype
     )
-    d_lhs, d_rhs = jax.vjp(dot, lhs, rhs)[1](g.astype(out_dtype))
+    d_lhs, d_rhs = jax.vjp(dot, lhs, rhs)[1](g)
     return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
 
 
@@ -542,11 +542,13 @@ def memory_shortfall(need: int | None, stats: dict | None) -> str | None:
     if need <= limit - in_use:
         return None
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    fix = "lower --config.global_batch"
+    if float(fraction) < float(MEMORY_FRACTION):
+        fix = f"set XLA_PYTHON_CLIENT_MEM_FRACTION={MEMORY_FRACTION} (it is {fraction}) or {fix}"
     gib = 2.0**30
     return (
         f"out of memory: the step needs {need / gib:.1f} GiB beside the {in_use / gib:.1f} GiB in use, "
-        f"JAX's pool holds {limit / gib:.1f} GiB (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}): raise "
-        "XLA_PYTHON_CLIENT_MEM_FRACTION (at most 0.95) or lower --config.global_batch"
+        f"JAX's pool holds {limit / gib:.1f} GiB: {fix}"
     )
 
 

@@ -307,9 +307,10 @@ def test_the_memory_fraction_is_the_users_else_the_default():
     )
 
 
-def test_a_step_that_does_not_fit_is_one_line_naming_the_fix():
+def test_a_step_that_does_not_fit_is_one_line_naming_the_fix(monkeypatch):
     """The H100's numbers at JAX's default pool: 13.2 GiB new state + 36.3 GiB temporaries beside the
     13.2 GiB state, in a 59.7 GiB pool; at the benchmark's 0.95 (75.7 GiB) it fits."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
     gib = 2**30
     need, in_use = int(49.5 * gib), int(13.2 * gib)
     reason = bench_peers.memory_shortfall(need, {"bytes_limit": int(59.7 * gib), "bytes_in_use": in_use})
@@ -319,6 +320,9 @@ def test_a_step_that_does_not_fit_is_one_line_naming_the_fix():
         bench_peers.memory_shortfall(need, {"bytes_limit": int(75.7 * gib), "bytes_in_use": in_use}) is None
     )
     assert bench_peers.memory_shortfall(need, None) is None  # the CPU reports no pool
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", bench_peers.MEMORY_FRACTION)
+    full = {"bytes_limit": int(75.7 * gib), "bytes_in_use": int(40 * gib)}
+    assert bench_peers.memory_shortfall(need, full).endswith(": lower --config.global_batch")
 
 
 def test_the_step_buffers_are_its_outputs_and_temporaries():
