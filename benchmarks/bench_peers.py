@@ -417,7 +417,8 @@ def backward_gemms_quantized(mode: str) -> int:
     operands in this jax: scaled_matmul equations in its value-and-gradient's program (found, not
     assumed: jax 0.10's NVFP4 gradients multiply unquantized)."""
     lhs, rhs, dims = _probe_operands()
-    loss = lambda a, b: jax_nn_dot_general(mode)(a, b, dims).astype(jnp.float32).sum()  # noqa: E731
+    dot = jax_nn_dot_general(mode)  # its configs made outside the trace, as the model's are
+    loss = lambda a, b: dot(a, b, dims).astype(jnp.float32).sum()  # noqa: E731
     return count_primitive(
         jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(lhs, rhs), "scaled_matmul"
     )
