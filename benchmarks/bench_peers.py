@@ -59,9 +59,10 @@ first step (bfloat16 activations: not expected bit-equal). On the CPU both multi
 operands with XLA's dot and every row but the bfloat16 ones is bit-equal; on a GPU the GEMM kernels
 differ (the rows say so).
 
-Estimated runtime of the default command with `--check` on one H200 (1B, seq 2048 x 16, 10 variants):
-about 5 minutes, mostly compilation (roughly 20-35 s per variant with scanned blocks), plus 10 x 7 steps
-of about 0.45 s and 30 s for the check (two more small programs); not yet measured.
+Estimated runtime of the default command with `--check` (1B, seq 2048 x 16, 11 variants with the ceil
+twin): compiling took about 13 s a variant on one H100 (2026-12-06, a run whose steps then ran out of
+memory), about 2.5 minutes for all, plus 11 x 7 steps of about 0.5 s and 30-60 s for the check's
+programs: about 4 minutes; a complete run not yet measured.
 """
 
 from __future__ import annotations
