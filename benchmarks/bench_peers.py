@@ -17,7 +17,8 @@ attention and LM head stay as the model has them:
   operands of every forward GEMM and, through its backward settings, on both operands of Dgrad and Wgrad,
   each projection handed to it as one 2-D product (`as_matrix_product` says why).
 - `jax_nn_mxfp8`, `jax_nn_nvfp4`: `jax.nn.scaled_dot_general` with `jax.nn.get_scaled_dot_general_config`
-  configs. NVFP4's per-tensor scale is the operand's amax / (448 * 6) per call, as Transformer Engine's.
+  configs. NVFP4's per-tensor scale is the operand's amax / (448 * 6) per call, as Transformer Engine's,
+  applied around jax.nn's call (`jax_nn_dot_general` says why).
 
 How a peer gets in: each projection is an `nn.DenseGeneral` whose dot_general is fp4jax's
 `QuantDotGeneral` (fp4jax/models/llama.py); the peer variants run the bf16 model under
@@ -30,6 +31,11 @@ loss recorded), then `--steps` timed rounds run the variants in turn, one synchr
 drift of the device's clocks touches every variant alike; a row reports the median. The step is not
 donated: every step starts from the same state, which the variants share (one copy of the 1B state, not
 one per variant); the trainer's donated step is up to a few percent faster, alike for all rows.
+
+Memory: not donated, the 1B step holds the state, the new state and its temporaries, about 64 GiB
+(MEMORY_FRACTION's comment has the arithmetic), more than JAX's default pool of 75 % of an 80 GB card.
+XLA_PYTHON_CLIENT_MEM_FRACTION is set to 0.95 unless given; a compiled step larger than what the pool has
+free is not run, its row names the fix (`step_buffers_gib` in each row: XLA's outputs and temporaries).
 
 Peers are optional (`pip install '.[peers]'` for qwix; jax.nn's configurations come with jax where this
 jax and device compile them). A variant that cannot run here is skipped with its reason in the table and
@@ -53,9 +59,10 @@ first step (bfloat16 activations: not expected bit-equal). On the CPU both multi
 operands with XLA's dot and every row but the bfloat16 ones is bit-equal; on a GPU the GEMM kernels
 differ (the rows say so).
 
-Estimated runtime of the default command with `--check` on one H200 (1B, seq 2048 x 16, 10 variants):
-about 5 minutes, mostly compilation (roughly 20-35 s per variant with scanned blocks), plus 10 x 7 steps
-of about 0.45 s and 30 s for the check (two more small programs); not yet measured.
+Estimated runtime of the default command with `--check` (1B, seq 2048 x 16, 11 variants with the ceil
+twin): compiling took about 13 s a variant on one H100 (2026-12-06, a run whose steps then ran out of
+memory), about 2.5 minutes for all, plus 11 x 7 steps of about 0.5 s and 30-60 s for the check's
+programs: about 4 minutes; a complete run not yet measured.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -132,6 +140,23 @@ DEFAULT_VARIANTS = ("bf16", "fp8_mlperf", *PEER_NAMES, "mxfp4_full_h16", "mxfp4_
 # compiled ones are still timed and the check still runs (the rows not compiled say so).
 COMPILE_BUDGET_S = 420
 
+# The default size's step (1B, seq 2048 x 16, blocks scanned, remat minimal_attention), not donated:
+#   the shared state: 1,179,191,296 float32 params (4.72 GB) and AdamW's two float32 moments (9.43 GB),
+#     14.15 GB (13.2 GiB), one copy for every variant;
+#   the step's new state, beside it (not donated): another 14.15 GB;
+#   its temporaries, 40.8 GB as XLA measured them (docs/performance.md, the donated step): the float32
+#     gradients (4.72 GB); the activations remat minimal_attention saves, per token and block the seven
+#     projections' bfloat16 outputs (q 2048 + k 512 + v 512 + o 2048 + gate 8192 + up 8192 + down 2048
+#     values, 47.1 kB), the block's input (4.1 kB) and cuDNN attention's output and statistics (4.2 kB),
+#     55.4 kB x 16 blocks x 32,768 tokens = 29.0 GB; the logits, 32,768 x 50,304 in bfloat16 and their
+#     float32 softmax and gradient (3.3 + 6.6 GB, partly overlapping).
+# About 69 GB (64 GiB) in all. On an H100 80GB (79.6 GiB) JAX's pool is 75 % of the GPU by default,
+# 59.7 GiB: too small (its out-of-memory log: one 36.3 GiB block of temporaries asked for while 45 % of
+# the pool, the state and the new state, was in use). MEMORY_FRACTION gives the pool 75.7 GiB there
+# (133 GiB of an H200's 140), room for the variants' own buffers and XLA's autotuning; a step that still
+# does not fit is a row naming the fix (`memory_shortfall`), not an out-of-memory error.
+MEMORY_FRACTION = "0.95"
+
 
 # ------------------------------------------------------------------------------------------ variants
 
@@ -164,8 +189,20 @@ class RoutedModel:
 
     def _route(self, next_fun, args, kwargs, context):
         if isinstance(context.module, QuantDotGeneral) and context.method_name == "__call__":
-            return self.dot_general(*args, **kwargs)
+            return in_model_dtype(self.dot_general, *args, **kwargs)
         return next_fun(*args, **kwargs)
+
+
+def in_model_dtype(dot_general, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """`dot_general`'s product cast to the dtype the model's own dot_general returns (lax.dot_general's:
+    the preferred type, else the operands' promoted dtype, bfloat16 in the bf16 model).
+
+    Why: a peer may return another dtype. qwix 0.1.8 on a GPU multiplies MXFP4 operands with
+    jax.nn.scaled_matmul, whose result is float32 where no preferred type is passed (its emulation on
+    other platforms returns the operands' dtype); a float32 projection output then turns the bfloat16
+    residual stream float32, and with scanned blocks the scan's carry changes type, a TypeError."""
+    out = dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    return out.astype(preferred_element_type or jnp.result_type(lhs, rhs))
 
 
 def as_matrix_product(dot_general: Callable) -> Callable:
@@ -258,34 +295,72 @@ def qwix_variant(base) -> Variant:
     return variant
 
 
-def jax_nn_configs(mode: str, lhs, rhs) -> list:
-    """[lhs, rhs, gradient] configs of jax.nn.scaled_dot_general. NVFP4's decode-direction tensor scale
-    is amax / (448 * 6) of each operand, per call (TE's); the gradient's is 1 (its amax is not known when
-    the forward pass builds the configs)."""
-    if mode != "nvfp4":
-        return [jax.nn.get_scaled_dot_general_config(mode)] * 3
-
-    def tensor_scale(x):
-        # A constant to differentiation, as in TE: jax.nn holds the configs as static arguments of its
-        # custom_vjp, which cannot carry a derivative.
-        amax = jax.lax.stop_gradient(jnp.max(jnp.abs(x)).astype(jnp.float32))
-        return jnp.maximum(amax / (448.0 * 6.0), jnp.finfo(jnp.float32).tiny).reshape(1)
-
-    scales = (tensor_scale(lhs), tensor_scale(rhs), jnp.ones((1,), jnp.float32))
-    return [jax.nn.get_scaled_dot_general_config(mode, global_scale=s) for s in scales]
+# NVFP4's per-tensor scale maps the operand's amax to e4m3's largest block scale times E2M1's largest value.
+NVFP4_TENSOR_RANGE = 448.0 * 6.0
 
 
 def jax_nn_dot_general(mode: str) -> Callable:
-    """lax.dot_general's signature over jax.nn.scaled_dot_general; the output in the operands' dtype."""
+    """lax.dot_general's signature over jax.nn.scaled_dot_general; the output in the operands' dtype.
+
+    The configs are made here, once, outside any trace: jax.nn passes them to its custom_vjp as static
+    (nondiff) arguments, so an array in them must be a constant. A per-call global_scale (a traced amax)
+    there is a tracer that jax.nn's gradient closes over, which fails to lower where the blocks are
+    scanned ("No constant handler for type: DynamicJaxprTracer"). NVFP4 keeps the default global_scale,
+    a constant 1, and gets its per-tensor scales around the call (`nvfp4_tensor_scaled`)."""
+    configs = [jax.nn.get_scaled_dot_general_config(mode)] * 3
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
-        configs = jax_nn_configs(mode, lhs, rhs)
+        if mode == "nvfp4":
+            call = functools.partial(
+                jax.nn.scaled_dot_general,
+                dimension_numbers=dimension_numbers,
+                preferred_element_type=jnp.float32,
+                configs=configs,
+            )
+            return nvfp4_tensor_scaled(call, dimension_numbers, jnp.dtype(out_dtype), lhs, rhs)
         return jax.nn.scaled_dot_general(
             lhs, rhs, dimension_numbers, preferred_element_type=out_dtype, configs=configs
         )
 
     return dot_general
+
+
+def tensor_scale(x: jax.Array) -> jax.Array:
+    """NVFP4's per-tensor decode scale, Transformer Engine's: amax / (448 * 6) in float32, per call."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return jnp.maximum(amax / NVFP4_TENSOR_RANGE, jnp.finfo(jnp.float32).tiny)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def nvfp4_tensor_scaled(call, dimension_numbers, out_dtype, lhs, rhs):
+    """jax.nn's NVFP4 product with per-tensor scales, as TE's and as jax.nn computes a global_scale in
+    its configs: each operand divided by its scale in float32 before the block quantization (`call`,
+    global_scale 1), the float32 product multiplied by both scales after, then cast to `out_dtype`.
+
+    The gradient is jax.nn's NVFP4 gradient (jax 0.10 to 0.11): both gradient GEMMs unquantized, on the
+    saved operands in their dtype; its straight-through mask (|x| <= global_scale * 448 * 6) passes every
+    element under the per-tensor scale, so it is left out. Written out because differentiating through
+    the division would hand jax.nn float32 quotients, and its gradient GEMMs would run in float32."""
+    return _nvfp4_forward(call, dimension_numbers, out_dtype, lhs, rhs)[0]
+
+
+def _nvfp4_forward(call, dimension_numbers, out_dtype, lhs, rhs):
+    s_lhs, s_rhs = tensor_scale(lhs), tensor_scale(rhs)
+    out = call(lhs.astype(jnp.float32) / s_lhs, rhs.astype(jnp.float32) / s_rhs) * (s_lhs * s_rhs)
+    return out.astype(out_dtype), (lhs, rhs)
+
+
+def _nvfp4_backward(call, dimension_numbers, out_dtype, residuals, g):
+    lhs, rhs = residuals
+    dot = functools.partial(
+        jax.lax.dot_general, dimension_numbers=dimension_numbers, preferred_element_type=out_dtype
+    )
+    d_lhs, d_rhs = jax.vjp(dot, lhs, rhs)[1](g)
+    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+
+nvfp4_tensor_scaled.defvjp(_nvfp4_forward, _nvfp4_backward)
 
 
 def _probe_operands():
@@ -343,7 +418,8 @@ def backward_gemms_quantized(mode: str) -> int:
     operands in this jax: scaled_matmul equations in its value-and-gradient's program (found, not
     assumed: jax 0.10's NVFP4 gradients multiply unquantized)."""
     lhs, rhs, dims = _probe_operands()
-    loss = lambda a, b: jax_nn_dot_general(mode)(a, b, dims).astype(jnp.float32).sum()  # noqa: E731
+    dot = jax_nn_dot_general(mode)  # its configs made outside the trace, as the model's are
+    loss = lambda a, b: dot(a, b, dims).astype(jnp.float32).sum()  # noqa: E731
     return count_primitive(
         jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(lhs, rhs), "scaled_matmul"
     )
@@ -438,6 +514,46 @@ def compile_step(shared: Setup, variant: Variant, state: TrainState):
         return jax.jit(step).lower(state, shared.batch, shared.quant_key).compile()
 
 
+# ------------------------------------------------------------------------------------------ memory
+
+
+def default_memory_fraction(environ) -> str:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION as the run uses it: the user's, else MEMORY_FRACTION, set in
+    `environ` (JAX reads it when it starts the GPU client, at the first use of a device)."""
+    return environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEMORY_FRACTION)
+
+
+def step_buffers(compiled) -> int | None:
+    """Bytes a call of the compiled step allocates beside its arguments: its outputs (the step's new
+    state) and temporaries, from XLA's buffer assignment (None where the back end does not say)."""
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - a back end without the analysis: nothing to check
+        return None
+    if analysis is None:
+        return None
+    return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+
+
+def memory_shortfall(need: int | None, stats: dict | None) -> str | None:
+    """One line naming the fix where a step needing `need` bytes beside its arguments does not fit in
+    what the device's pool has free (`stats`: Device.memory_stats(), None on the CPU), else None."""
+    if need is None or not stats or "bytes_limit" not in stats:
+        return None
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+    if need <= limit - in_use:
+        return None
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    fix = "lower --config.global_batch"
+    if float(fraction) < float(MEMORY_FRACTION):
+        fix = f"set XLA_PYTHON_CLIENT_MEM_FRACTION={MEMORY_FRACTION} (it is {fraction}) or {fix}"
+    gib = 2.0**30
+    return (
+        f"out of memory: the step needs {need / gib:.1f} GiB beside the {in_use / gib:.1f} GiB in use, "
+        f"JAX's pool holds {limit / gib:.1f} GiB: {fix}"
+    )
+
+
 # ------------------------------------------------------------------------------------------ the run
 
 
@@ -497,19 +613,41 @@ def prepare(shared: Setup, name: str, warmup: int, results: Results) -> Callable
         start = time.perf_counter()
         compiled = compile_step(shared, variant, state)
         compile_s = time.perf_counter() - start
-        for i in range(max(warmup, 1)):
-            _, metrics = compiled(state, shared.batch, shared.quant_key)
-            metrics = jax.device_get(metrics)
-            if i == 0:
-                first = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
+        need = step_buffers(compiled)
+        fields = {"compile_s": compile_s, "step_buffers_gib": None if need is None else need / 2.0**30}
+        shortfall = memory_shortfall(need, jax.devices()[0].memory_stats())
+        if shortfall:  # not run: an allocation that fails can leave buffers behind (release_buffers)
+            print(f"FAILED {name}: {shortfall}", flush=True)
+            results.update(name, **base, **fields, status="failed", reason=shortfall)
+            return None
+        first = warm_up(compiled, state, shared, warmup)
     except Exception as e:  # noqa: BLE001 - a variant that fails is a row that says so; the others go on
         print(f"FAILED {name}: {first_line(e)}", flush=True)
         results.update(name, **base, status="failed", reason=first_line(e))
+        release_buffers()
         return None
     finite = all(math.isfinite(v) for v in first.values())
-    results.update(name, **base, status="warm", compile_s=compile_s, first_step=first, finite=finite)
+    results.update(name, **base, **fields, status="warm", first_step=first, finite=finite)
     print(f"{name}: compiled in {compile_s:.1f} s, first loss {first['loss']:.4f}", flush=True)
     return functools.partial(compiled, state, shared.batch, shared.quant_key)
+
+
+def warm_up(compiled, state: TrainState, shared: Setup, warmup: int) -> dict:
+    """`warmup` steps (at least one); the first one's loss and gradient norm, as Python floats."""
+    for i in range(max(warmup, 1)):
+        _, metrics = compiled(state, shared.batch, shared.quant_key)
+        metrics = jax.device_get(metrics)
+        if i == 0:
+            first = {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}
+    return first
+
+
+def release_buffers() -> None:
+    """Frees the device buffers nothing references any more. A failed step's exception holds frames of
+    the call, and through them possibly its outputs (at 1B the new state, 13.2 GiB), in reference
+    cycles that only the cycle collector breaks: on the H100 each failed step left about that much more
+    in use, until the later ones failed for want of 1 GiB. Collected before the next program runs."""
+    gc.collect()
 
 
 def time_rounds(steps: dict[str, Callable], rounds: int, tokens_per_step: int, results: Results) -> None:
@@ -524,6 +662,7 @@ def time_rounds(steps: dict[str, Callable], rounds: int, tokens_per_step: int, r
                 print(f"FAILED {name} while timed: {first_line(e)}", flush=True)
                 results.update(name, status="failed", reason=first_line(e))
                 del steps[name]
+                release_buffers()
                 continue
             times[name].append(time.perf_counter() - start)
             median = statistics.median(times[name])
@@ -791,6 +930,7 @@ def main():
     )
     args, overrides = parser.parse_known_args()
     started = time.perf_counter()
+    memory_fraction = default_memory_fraction(os.environ)  # before JAX's first use of the device
     names = [n for n in args.variants.split(",") if n]
     if args.check and CEIL_RECIPE_NAME not in names:  # beside qwix's row, the pair the check compares
         at = names.index("qwix_mxfp4") + 1 if "qwix_mxfp4" in names else len(names)
@@ -813,6 +953,7 @@ def main():
         "warmup": args.warmup,
         "steps": args.steps,
         "compile_budget_s": args.compile_budget_s,
+        "memory_fraction": memory_fraction,
     }
     results = Results(args.out, meta)
     steps = {}
@@ -826,6 +967,8 @@ def main():
         if step is not None:
             steps[name] = step
     time_rounds(steps, args.steps, config.global_batch * config.seq_len, results)
+    steps.clear()  # the compiled steps and their closures, before the check runs its own programs
+    release_buffers()
     if args.check:
         run_check(shared, results)
     command = " ".join(["python benchmarks/bench_peers.py", *sys.argv[1:]])

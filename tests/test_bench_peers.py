@@ -84,10 +84,24 @@ def test_every_variant_is_a_row_that_ran_or_says_why(run):
             assert row["finite"] and all(math.isfinite(v) for v in row["first_step"].values())
             assert row["tokens_per_s"] > 0 and len(row["step_times_s"]) == 1
     assert rows["bf16"]["status"] == rows["mxfp4_full_ceil"]["status"] == "done"
+    assert rows["bf16"]["step_buffers_gib"] > 0 and results["meta"]["memory_fraction"]
+    assert_plain(results)
     assert rows["mxfp4_full_ceil"]["vs_bf16"] > 0
     for mode in ("mxfp8", "nvfp4"):  # jax 0.10's scaled_matmul has no CPU lowering; a later jax may
         row = rows[f"jax_nn_{mode}"]
         assert row["status"] == "done" or "scaled_dot_general" in row["reason"]
+
+
+def assert_plain(value) -> None:
+    """Only Python numbers, strings, lists and dicts (the rows keep no array)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            assert_plain(v)
+    elif isinstance(value, list):
+        for v in value:
+            assert_plain(v)
+    else:
+        assert value is None or type(value) in (str, int, float, bool), type(value)
 
 
 @pytest.mark.skipif(HAS_QWIX, reason="qwix is installed: its row runs (the other tests)")
@@ -174,3 +188,143 @@ def test_a_missing_qwix_is_one_line_naming_the_extra(monkeypatch):
 def test_an_unknown_variant_is_one_line_listing_the_known():
     with pytest.raises(SystemExit, match="unknown variant.*no_such.*qwix_mxfp4"):
         bench_peers.check_names(["bf16", "no_such"])
+
+
+# ------------------------------------------------------------------ the 1B config's structure on CPU
+
+
+def scanned_tiny(**overrides):
+    """(the bf16 Llama, params, tokens) with the 1B config's structure: blocks scanned, bfloat16
+    activations, remat minimal_attention (XLA's attention on the CPU: minimal)."""
+    cfg = llama_config(
+        "tiny", vocab_size=256, n_layers=2, scan_layers=True, remat="minimal_attention", **overrides
+    )
+    assert cfg.dtype == "bfloat16"
+    base = Llama(cfg, recipe="bf16")
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    return base, base.init(jax.random.key(0), tokens)["params"], tokens
+
+
+def loss_and_grads(model, tokens):
+    return jax.value_and_grad(lambda p: model.apply({"params": p}, tokens).astype(jnp.float32).mean())
+
+
+def dequantized_matmul(a, b, a_scales, b_scales, *, preferred_element_type):
+    """jax.nn.scaled_matmul as jax 0.11 lowers it on the CPU: each block times its scale, then one dot."""
+    t = preferred_element_type
+
+    def dequantize(x, scales):
+        blocks = x.astype(t).reshape(*scales.shape, -1) * scales.astype(t)[..., None]
+        return blocks.reshape(x.shape)
+
+    dims = (((2,), (2,)), ((0,), (0,)))
+    return jax.lax.dot_general(
+        dequantize(a, a_scales), dequantize(b, b_scales), dims, preferred_element_type=t
+    )
+
+
+@pytest.fixture
+def scaled_matmul_on_cpu(monkeypatch):
+    """jax.nn.scaled_matmul lowered on the CPU for the test's duration, where this jax has no CPU
+    lowering (jax 0.10; 0.11 has one): the GPU's programs then lower and run here."""
+    try:
+        from jax._src.cudnn.scaled_matmul_stablehlo import _scaled_matmul_p as prim
+        from jax._src.interpreters import mlir
+
+        cpu = mlir._platform_specific_lowerings["cpu"]
+        if prim not in cpu and prim not in mlir._lowerings:
+            rule = mlir.lower_fun(dequantized_matmul, multiple_results=False)
+            monkeypatch.setitem(cpu, prim, mlir.LoweringRuleEntry(rule, True))
+    except (ImportError, AttributeError, KeyError) as e:
+        pytest.skip(f"this jax's scaled_matmul lowering table is not where the test looks: {e}")
+
+
+@pytest.mark.skipif(not HAS_QWIX, reason=f"qwix is not installed: {bench_peers.INSTALL_QWIX}")
+def test_qwix_on_a_gpu_keeps_the_scanned_blocks_carry_type(monkeypatch):
+    """qwix 0.1.8 multiplies through jax.nn.scaled_matmul on a GPU, returning float32: with scanned
+    blocks the residual stream (the scan's carry) then changed type, a TypeError. The GPU path is taken
+    here by telling qwix it runs on one; tracing is enough, where the error was raised."""
+    from qwix._src.core import mxfp_dot
+
+    monkeypatch.setattr(mxfp_dot, "_get_primary_platform", lambda: "gpu")
+    base, params, tokens = scanned_tiny()
+    model = bench_peers.qwix_variant(base).model
+    jaxpr = jax.make_jaxpr(loss_and_grads(model, tokens))(params)
+    assert bench_peers.count_primitive(jaxpr, bench_peers.SCALED_MATMUL) > 0  # qwix's GPU path ran
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_jax_nn_lowers_in_scanned_blocks(mode, scaled_matmul_on_cpu):
+    """NVFP4's per-tensor scale once went into jax.nn's configs, static arguments of its custom_vjp: the
+    traced scale was closed over by the gradient, and the scanned model failed to lower ("No constant
+    handler for type: DynamicJaxprTracer" for the train step, an UnexpectedTracerError for this one)."""
+    if not hasattr(jax.nn, "scaled_dot_general"):
+        pytest.skip(f"jax {jax.__version__} has no jax.nn.scaled_dot_general")
+    base, params, tokens = scanned_tiny()
+    model = bench_peers.RoutedModel(base, bench_peers.jax_nn_dot_general(mode))
+    loss, grads = jax.jit(loss_and_grads(model, tokens))(params)
+    assert math.isfinite(float(loss)) and all(jnp.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_nvfp4_tensor_scales_around_the_call_equal_them_inside(scaled_matmul_on_cpu):
+    """Outside jax.nn's call (divided before, multiplied after) the per-tensor scales give the product and
+    both gradients bit for bit as jax.nn gives them with the scales in its configs (run eagerly here,
+    where the scales are concrete); the gradients in the operands' dtype."""
+    if not hasattr(jax.nn, "scaled_dot_general"):
+        pytest.skip(f"jax {jax.__version__} has no jax.nn.scaled_dot_general")
+    lhs = (jax.random.normal(jax.random.key(1), (2, 32, 64)) * 3).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(jax.random.key(2), (64, 48)) * 0.02).astype(jnp.bfloat16)
+    dims = (((2,), (0,)), ((), ()))
+
+    scales = [bench_peers.tensor_scale(x).reshape(1) for x in (lhs, rhs)] + [jnp.ones((1,), jnp.float32)]
+    configs = [jax.nn.get_scaled_dot_general_config("nvfp4", global_scale=s) for s in scales]  # concrete
+
+    def inside(a, b):
+        return jax.nn.scaled_dot_general(a, b, dims, preferred_element_type=jnp.bfloat16, configs=configs)
+
+    outside = lambda a, b: bench_peers.jax_nn_dot_general("nvfp4")(a, b, dims)  # noqa: E731
+    cotangent = jax.random.normal(jax.random.key(3), (2, 32, 48)).astype(jnp.bfloat16)
+    got = []
+    for f in (inside, outside):
+        out, vjp = jax.vjp(f, lhs, rhs)
+        got.append([out, *vjp(cotangent)])
+    for a, b in zip(*got, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        assert jnp.array_equal(a.view(jnp.uint16), b.view(jnp.uint16))
+    assert not jnp.array_equal(got[1][0], jax.lax.dot_general(lhs, rhs, dims))  # quantized
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def test_the_memory_fraction_is_the_users_else_the_default():
+    env = {}
+    assert bench_peers.default_memory_fraction(env) == bench_peers.MEMORY_FRACTION
+    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": bench_peers.MEMORY_FRACTION}
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert (
+        bench_peers.default_memory_fraction(env) == "0.5" and env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    )
+
+
+def test_a_step_that_does_not_fit_is_one_line_naming_the_fix(monkeypatch):
+    """The H100's numbers at JAX's default pool: 13.2 GiB new state + 36.3 GiB temporaries beside the
+    13.2 GiB state, in a 59.7 GiB pool; at the benchmark's 0.95 (75.7 GiB) it fits."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    gib = 2**30
+    need, in_use = int(49.5 * gib), int(13.2 * gib)
+    reason = bench_peers.memory_shortfall(need, {"bytes_limit": int(59.7 * gib), "bytes_in_use": in_use})
+    assert "\n" not in reason and "XLA_PYTHON_CLIENT_MEM_FRACTION" in reason and "global_batch" in reason
+    assert "49.5 GiB" in reason
+    assert (
+        bench_peers.memory_shortfall(need, {"bytes_limit": int(75.7 * gib), "bytes_in_use": in_use}) is None
+    )
+    assert bench_peers.memory_shortfall(need, None) is None  # the CPU reports no pool
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", bench_peers.MEMORY_FRACTION)
+    full = {"bytes_limit": int(75.7 * gib), "bytes_in_use": int(40 * gib)}
+    assert bench_peers.memory_shortfall(need, full).endswith(": lower --config.global_batch")
+
+
+def test_the_step_buffers_are_its_outputs_and_temporaries():
+    compiled = jax.jit(lambda x: (x * 2, x.sum())).lower(jnp.ones((256, 256), jnp.float32)).compile()
+    assert bench_peers.step_buffers(compiled) >= 256 * 256 * 4
