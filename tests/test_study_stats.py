@@ -226,6 +226,36 @@ def test_power_law_fit_recovers_a_noiseless_curve():
     assert curve.tokens_at(E - 0.1) == math.inf
 
 
+def test_power_law_fit_is_the_least_squares_minimum_to_rounding():
+    """On noisy points (a long flat valley: E's s.e. is most of E), the fit is the minimum itself: no
+    bounded least-squares solve from nearby starts finds a lower sum of squares, the residuals are
+    orthogonal to the model's Jacobian, a 1-ulp change in the data moves no parameter beyond 1e-9, and
+    the covariance is the residual variance times (J^T J)^-1 computed here from the normal equations."""
+    rng = np.random.default_rng(11)
+    loss = curve_loss(TOKENS) + rng.normal(0, CURVE_SD, TOKENS.size)
+    curve = stats.fit_power_law(TOKENS, loss)
+    p = np.array([curve.E, curve.B, curve.alpha])
+    t = TOKENS / curve.t_ref
+
+    def residuals(q):
+        return q[0] + q[1] * t ** -q[2] - loss
+
+    rss = float(np.sum(residuals(p) ** 2))
+    bounds = ([0.0, 1e-12, 1e-3], [float(loss.min()), np.inf, 5.0])
+    for factor in (0.9, 1.1):
+        other = scipy.optimize.least_squares(residuals, p * factor, bounds=bounds, ftol=1e-15, xtol=1e-15)
+        assert rss <= float(np.sum(other.fun**2)) * (1 + 1e-12)
+    x = t**-curve.alpha
+    jacobian = np.stack([np.ones_like(x), x, -curve.B * x * np.log(t)], axis=1)
+    assert np.abs(jacobian.T @ residuals(p)).max() < 1e-12 * np.abs(jacobian).sum(axis=0).max()
+    nudged = stats.fit_power_law(
+        TOKENS, loss * (1 + rng.choice([-1.0, 1.0], loss.size) * np.finfo(float).eps)
+    )
+    assert np.array([nudged.E, nudged.B, nudged.alpha]) == pytest.approx(p, rel=1e-9)
+    want = np.linalg.inv(jacobian.T @ jacobian) * rss / (TOKENS.size - 3)
+    assert curve.cov == pytest.approx(want, rel=1e-6)
+
+
 def test_overhead_is_exact_for_a_stretched_curve_over_a_window():
     curve = stats.fit_power_law(TOKENS, curve_loss(TOKENS))
     window = TOKENS[-3:]

@@ -400,29 +400,72 @@ def _power_law(t_rel, e, b, alpha):
     return e + b * t_rel**-alpha
 
 
-def _starts(t_rel: np.ndarray, loss: np.ndarray, bounds) -> list[np.ndarray]:
-    """Starting (E, B, alpha), best first: for asymptotes E0 below min(L), B and alpha from the line
-    log(L - E0) = log B - alpha log(T / t_ref); ordered by their sum of squares."""
-    low, span = float(loss.min()), float(np.ptp(loss)) or 1.0
-    starts = []
-    for e0 in (max(low - f * span, 0.0) for f in (0.1, 0.5, 2.0)):
-        slope, intercept = np.polyfit(np.log(t_rel), np.log(loss - e0), 1)
-        starts.append(np.clip([e0, math.exp(intercept), -slope], bounds[0], bounds[1]))
-    return sorted(starts, key=lambda p: float(np.sum((loss - _power_law(t_rel, *p)) ** 2)))
+# The fit's bounds: 0 <= E <= min(L), B >= _B_MIN, alpha in _ALPHA_RANGE; alpha is first located on a
+# log grid (the residual sum of squares of each grid point's best E and B), then refined.
+_B_MIN = 1e-12
+_ALPHA_RANGE = (1e-3, 5.0)
+_ALPHA_GRID = np.geomspace(*_ALPHA_RANGE, 400)
 
 
-def _fit(t_rel: np.ndarray, loss: np.ndarray, bounds) -> tuple[np.ndarray, np.ndarray]:
-    """curve_fit from the best start that converges to a finite covariance; raises when none does."""
-    for p0 in _starts(t_rel, loss, bounds):
-        try:
-            p, cov = scipy.optimize.curve_fit(_power_law, t_rel, loss, p0=p0, bounds=bounds)
-        except RuntimeError:
-            continue
-        if np.isfinite(cov).all():
-            return p, cov
-    raise ValueError(
-        "the curve L = E + A T^-alpha did not fit these points (no fit with a finite covariance)"
-    )
+def _linear_part(t_rel: np.ndarray, loss: np.ndarray, alpha: float) -> tuple[float, float]:
+    """(E, B) with the least squared residuals at this alpha, within the bounds: the model is linear in
+    them, so this is a closed form (the unconstrained solution, else the best one on a bound)."""
+    x = t_rel**-alpha
+    dx = x - x.mean()
+    b = float(dx @ (loss - loss.mean())) / float(dx @ dx)
+    e = float(loss.mean() - b * x.mean())
+    e_max = float(loss.min())
+    if 0.0 <= e <= e_max and b >= _B_MIN:
+        return e, b
+    # On a bound: E at either end with its best B, or B at its floor with its best E; the feasible one
+    # with the least residuals (the constrained optimum lies on one of them).
+    on_e = [(e_end, max(_B_MIN, float(x @ (loss - e_end)) / float(x @ x))) for e_end in (0.0, e_max)]
+    on_b = [(min(max(float(np.mean(loss - _B_MIN * x)), 0.0), e_max), _B_MIN)]
+    return min(on_e + on_b, key=lambda p: float(np.sum((_power_law(t_rel, p[0], p[1], alpha) - loss) ** 2)))
+
+
+def _rss_slope(t_rel: np.ndarray, loss: np.ndarray, alpha: float) -> float:
+    """d RSS / d alpha of the profiled fit (E and B at their best for each alpha): by the envelope theorem
+    only alpha's own partial derivative, -2 B sum(r x ln t), with r the residuals and x = t^-alpha."""
+    e, b = _linear_part(t_rel, loss, alpha)
+    x = t_rel**-alpha
+    residual = e + b * x - loss
+    return -2.0 * b * float(np.sum(residual * x * np.log(t_rel)))
+
+
+def _fit(t_rel: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(E, B, alpha) and their covariance, by variable projection: E and B in closed form for each alpha,
+    alpha where the profiled residual sum of squares has zero slope (brentq between the best grid point's
+    neighbours; a bound where the minimum lies on one).
+
+    Why not a general least-squares solver from a start: the curve's valley is long and flat (E and B
+    trade off, each with s.e. comparable to E itself), so a solver's stopping rule leaves its answer some
+    1e-5 from the minimum, at a place that depends on the start and on the library's version. The slope's
+    root is determined to rounding, so the reports built on the curve regenerate on any machine.
+    Covariance: the residual variance times (J^T J)^-1 at the optimum, J the model's Jacobian in
+    (E, B, alpha), through J's singular values (as scipy's curve_fit computes it)."""
+    rss = [
+        float(np.sum((_power_law(t_rel, *_linear_part(t_rel, loss, a), a) - loss) ** 2)) for a in _ALPHA_GRID
+    ]
+    k = int(np.argmin(rss))
+    if k in (0, len(_ALPHA_GRID) - 1):
+        alpha = float(_ALPHA_GRID[k])
+    else:
+        low, high = float(_ALPHA_GRID[k - 1]), float(_ALPHA_GRID[k + 1])
+        if _rss_slope(t_rel, loss, low) > 0 or _rss_slope(t_rel, loss, high) < 0:
+            raise ValueError("the curve L = E + A T^-alpha did not fit these points (no single minimum)")
+        alpha = scipy.optimize.brentq(
+            lambda a: _rss_slope(t_rel, loss, a), low, high, xtol=1e-15, rtol=4 * np.finfo(float).eps
+        )
+    e, b = _linear_part(t_rel, loss, alpha)
+    x = t_rel**-alpha
+    jacobian = np.stack([np.ones_like(x), x, -b * x * np.log(t_rel)], axis=1)
+    _, singular, vt = np.linalg.svd(jacobian, full_matrices=False)
+    if singular[-1] <= singular[0] * np.finfo(float).eps * jacobian.shape[0]:
+        raise ValueError("the curve L = E + A T^-alpha did not fit these points (no finite covariance)")
+    residual_var = float(np.sum((_power_law(t_rel, e, b, alpha) - loss) ** 2)) / (t_rel.size - 3)
+    cov = (vt.T / singular**2) @ vt * residual_var
+    return np.array([e, b, alpha]), cov
 
 
 def fit_power_law(tokens, losses) -> PowerLaw:
@@ -443,7 +486,7 @@ def fit_power_law(tokens, losses) -> PowerLaw:
             f"the curve has {np.unique(t).size} distinct token counts: a 3-parameter fit needs 4+"
         )
     t_ref = float(np.exp(np.log(t).mean()))
-    p, cov = _fit(t / t_ref, loss, ([0.0, 1e-12, 1e-3], [float(loss.min()), np.inf, 5.0]))
+    p, cov = _fit(t / t_ref, loss)
     rss = float(np.sum((loss - _power_law(t / t_ref, *p)) ** 2))
     return PowerLaw(
         E=float(p[0]),
