@@ -38,12 +38,11 @@ import numpy as np
 from fp4jax.ops import PRESETS, mx_dot_general, quantize_mx
 from fp4jax.ops.kernels.backends import fp8_dot_precision, fp8_matmul
 from fp4jax.ops.kernels.fold import FoldedOperand, count_fold_flushes, fold_mx_to_fp8
+from fp4jax.ops.kernels.probes import BMK_BNK  # contract the last axis of both operands, batch over the first
 from fp4jax.selfcheck import gemm_operand_types
 
 DIMS = (((1,), (0,)), ((), ()))  # x[M, K] @ w[K, N]
 BOUND = 1e-4
-
-BMK_BNK = (((2,), (2,)), ((0,), (0,)))  # contract the last axis of both operands, batch over the first
 
 
 def _operands(m, k, n):

@@ -167,7 +167,7 @@ def float8_to_float32(x: jax.Array) -> jax.Array:
     bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.int32)
     exponent = (bits >> m) & (0x7F >> m)
     mantissa = bits & ((1 << m) - 1)
-    normal = lax.bitcast_convert_type(((exponent + 127 - bias) << 23) | (mantissa << (23 - m)), jnp.float32)
+    normal = f32_from_bits(((exponent + 127 - bias) << 23) | (mantissa << (23 - m)))
     subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** (fmt.emin - m))  # exact
     magnitude = jnp.where(exponent == 0, subnormal, normal)
     # Codes above the largest finite value: E5M2's +-inf (mantissa 0) and NaNs, E4M3FN's NaN (S.1111.111).

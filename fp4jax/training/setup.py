@@ -390,7 +390,7 @@ def quant_key(seed: int):
 
 def jit_steps(config, model, tx, schedule, mesh, shardings):
     """(train step, eval step): each jitted once with explicit shardings; the train step donates the state."""
-    needs_key = get_recipe(config.recipe).needs_key
+    needs_key = get_recipe(model.recipe).needs_key  # the run's recipe as resolved for the model
     batch_sh = batch_sharding(mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     micro_sh = NamedSharding(mesh, PartitionSpec(None, *batch_sh.spec))

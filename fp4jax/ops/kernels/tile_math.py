@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, F32_SIGN_MASK, ElemFormat, f32_bits
+from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, F32_SIGN_MASK, ElemFormat, f32_bits, f32_from_bits
 from fp4jax.ops.kernels import fold
 from fp4jax.ops.kernels.codes import (
     MAGNITUDE_MASK,
@@ -174,7 +173,7 @@ def _prescaled(bits, exponent, finite, spec: QuantSpec) -> jax.Array:
     """prescale * x / 2^e as float32, as quantize_mx forms it: its exact _mul_pow2, then one multiply.
 
     exponent and finite broadcast against bits (per element, or per block with a trailing axis)."""
-    v = lax.bitcast_convert_type(jnp.where(finite, bits, 0), jnp.float32)
+    v = f32_from_bits(jnp.where(finite, bits, 0))
     scaled = _mul_pow2(v, -exponent)
     return scaled * jnp.float32(spec.prescale) if spec.prescale != 1 else scaled
 
