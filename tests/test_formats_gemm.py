@@ -100,7 +100,7 @@ def test_the_resolved_execution_names_the_operands_fp8_cannot_fold(monkeypatch):
     monkeypatch.setattr(backends, "check_backend", lambda *a, **k: None)
     monkeypatch.setattr("fp4jax.ops.kernels.probes.run_probes", lambda backend: None)
     _, e3m2 = resolve_execution("mxfp6_e3m2_full", backend="fp8")
-    assert e3m2.backend_reason.endswith("; GEMMs with E3M2 MX operands run as in emulate (no exact fold)")
+    assert e3m2.backend_reason.endswith("; GEMMs with MXFP6_E3M2 operands run as in emulate (no exact fold)")
     for folded in ("mxfp4_full", "mxfp6_e2m3_full"):
         assert "emulate" not in resolve_execution(folded, backend="fp8")[1].backend_reason
 

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 
 from fp4jax.ops.kernels import backends, probes
+from fp4jax.ops.quant_formats import FORMATS, format_of
 from fp4jax.ops.recipes import Recipe, get_recipe
 
 __all__ = ["Execution", "resolve_execution"]
@@ -81,8 +82,7 @@ def _unfolded(recipe: Recipe, backend: str) -> str:
         return ""
     if not unfolded:
         return ""
-    elems = sorted({s.elem.upper() for s in unfolded if s.kind == "mx"})
-    names = [f"{e} MX" for e in elems] + (["NVFP4"] if any(s.kind == "nvfp4" for s in unfolded) else [])
+    names = sorted({format_of(s).name for s in unfolded}, key=list(FORMATS).index)
     return f"; GEMMs with {' or '.join(names)} operands run as in emulate ({why})"
 
 
