@@ -15,7 +15,11 @@ attention and LM head stay as the model has them:
   variant.
 - `qwix_mxfp4`: qwix 0.1.8's quantized training (`QtProvider`, `qwix.quantize_model`): MXFP4 on both
   operands of every forward GEMM and, through its backward settings, on both operands of Dgrad and Wgrad,
-  each projection handed to it as one 2-D product (`as_matrix_product` says why).
+  each projection handed to it as one 2-D product (`as_matrix_product` says why). On a GPU with bfloat16
+  activations qwix 0.1.8's step failed (the H200, jax 0.11.2: "INTERNAL: Input datatypes do not match"):
+  its Dgrad and Wgrad give jax.nn.scaled_matmul a float32-scaled gradient and a bfloat16-scaled operand,
+  a qwix bug (`qwix_scale_mismatch` has its lines); a failed row names that cause where its program
+  shows it.
 - `jax_nn_mxfp8`, `jax_nn_nvfp4`: `jax.nn.scaled_dot_general` with `jax.nn.get_scaled_dot_general_config`
   configs. NVFP4's per-tensor scale is the operand's amax / (448 * 6) per call, as Transformer Engine's,
   applied around jax.nn's call (`jax_nn_dot_general` says why).
@@ -172,6 +176,8 @@ class Variant:
     fp8_meta_model: Any = None  # the Llama whose fp8_meta collection this variant's state needs
     model: Any = None
     skip: str | None = None
+    # A failed step's known cause, looked for in the step's program (its jaxpr): a line, or None.
+    explain: Callable[[Any], str | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +298,44 @@ def qwix_variant(base) -> Variant:
 
         quantized = qwix.quantize_model(base, qwix.QtProvider([qwix_rule()]))
         variant.model = RoutedModel(quantized, as_matrix_product(qwix_lax_dot_general))
+        variant.explain = qwix_scale_mismatch
     return variant
+
+
+def qwix_scale_mismatch(closed_jaxpr) -> str | None:
+    """Why qwix 0.1.8's step fails on a GPU, where its program shows it (None where it does not): some
+    of jax.nn.scaled_matmul's calls get the two operands' block scales in different dtypes. On the
+    H200 (jax 0.11.2) the float32 check's step ran, every call's scales float32; the bfloat16 step
+    failed ("INTERNAL: Input datatypes do not match"), its forward calls' scales bfloat16 on both
+    sides and Dgrad's and Wgrad's float32 with bfloat16: the only calls whose two inputs' dtypes
+    differ (every call's operands float4_e2m1fn; jax.nn's own rows, scales in another dtype than
+    operands and result, ran).
+
+    How qwix gets there (qwix/_src/...): on a GPU both MXFP4 operands go to jax.nn.scaled_matmul with
+    each QArray's scale as it is (core/mxfp_dot.py:101, :83), and a scale has the dtype of the array it
+    was computed from (core/qarray.py:609). qwix's forward returns scaled_matmul's default float32
+    (mxfp_dot.py:88; dot_general_qt.py:236 and providers/qt.py:97 pass no preferred type), so in a
+    bfloat16 model the gradient reaching its backward is float32, and Dgrad and Wgrad multiply it,
+    quantized in float32 (dot_general_qt.py:302), with the bfloat16 operand saved from the forward and
+    quantized in bfloat16 (:196, :319, :321). Only qwix can fix it without changing what it computes:
+    operands cast to float32 here would move its ceil into float32 and save float32 copies for the
+    backward."""
+    pairs = [
+        tuple(str(v.aval.dtype) for v in eqn.invars[2:4])
+        for eqn in equations(closed_jaxpr)
+        if eqn.primitive.name.startswith(SCALED_MATMUL) and len(eqn.invars) == 4
+    ]
+    mixed = sorted({pair for pair in pairs if pair[0] != pair[1]})
+    if not mixed:
+        return None
+    n = sum(pair[0] != pair[1] for pair in pairs)
+    kinds = ", ".join(f"{a} with {b}" for a, b in mixed)
+    return (
+        f"qwix {QWIX_VERSION} on GPUs: {n} of the {len(pairs)} jax.nn.scaled_matmul calls in its step "
+        f"(Dgrad, Wgrad) get block scales of two dtypes ({kinds}): the gradient is float32, qwix's forward "
+        "returning scaled_matmul's float32 (qwix/_src/core/mxfp_dot.py:88), the saved operand bfloat16, "
+        "and each scale keeps its operand's dtype (core/qarray.py:609, core/dot_general_qt.py:321)"
+    )
 
 
 # NVFP4's per-tensor scale maps the operand's amax to e4m3's largest block scale times E2M1's largest value.
@@ -387,12 +430,12 @@ def jax_nn_missing(mode: str) -> str | None:
 
 
 # jax.nn.scaled_matmul's primitive: `scaled_matmul_wrapper` as jax 0.10 binds it, `scaled_matmul` lowered.
-SCALED_MATMUL = "scaled_matmul"
+SCALED_MATMUL = "scaled_matmul"  # its operands: lhs, rhs, lhs_scales, rhs_scales
 
 
-def count_primitive(closed_jaxpr, prefix: str) -> int:
-    """How many equations of a primitive whose name starts with `prefix` a program holds, its
-    sub-programs (scan, custom_vjp, pjit) included, each counted once as written."""
+def equations(closed_jaxpr):
+    """Every equation of a program, its sub-programs' (scan, custom_vjp, pjit) included, each once as
+    written."""
 
     def jaxprs(value):
         if hasattr(value, "eqns"):
@@ -403,14 +446,20 @@ def count_primitive(closed_jaxpr, prefix: str) -> int:
             for v in value:
                 yield from jaxprs(v)
 
-    def count(jaxpr) -> int:
-        n = 0
+    def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            n += eqn.primitive.name.startswith(prefix)
-            n += sum(count(sub) for v in eqn.params.values() for sub in jaxprs(v))
-        return n
+            yield eqn
+            for v in eqn.params.values():
+                for sub in jaxprs(v):
+                    yield from walk(sub)
 
-    return count(closed_jaxpr.jaxpr)
+    return walk(closed_jaxpr.jaxpr)
+
+
+def count_primitive(closed_jaxpr, prefix: str) -> int:
+    """How many equations of a primitive whose name starts with `prefix` a program holds, its
+    sub-programs (scan, custom_vjp, pjit) included, each counted once as written."""
+    return sum(eqn.primitive.name.startswith(prefix) for eqn in equations(closed_jaxpr))
 
 
 def backward_gemms_quantized(mode: str) -> int:
@@ -505,13 +554,23 @@ def state_for(shared: Setup, variant: Variant) -> TrainState:
     return shared.state.replace(fp8_meta=meta)
 
 
-def compile_step(shared: Setup, variant: Variant, state: TrainState):
-    """The variant's jitted train_step, compiled for the shared state and batch (not donated)."""
-    step = functools.partial(
+def variant_step(shared: Setup, variant: Variant) -> Callable:
+    """The trainer's pure step (state, batch, key) with the variant's model."""
+    return functools.partial(
         train_step, model=variant.model, tx=shared.tx, schedule=shared.schedule, needs_key=variant.needs_key
     )
+
+
+def compile_step(shared: Setup, variant: Variant, state: TrainState):
+    """The variant's jitted train_step, compiled for the shared state and batch (not donated)."""
     with sharding_context(shared.mesh):
-        return jax.jit(step).lower(state, shared.batch, shared.quant_key).compile()
+        return jax.jit(variant_step(shared, variant)).lower(state, shared.batch, shared.quant_key).compile()
+
+
+def step_program(shared: Setup, variant: Variant, state: TrainState):
+    """The program compile_step compiles, as a closed jaxpr (traced only: nothing runs)."""
+    with sharding_context(shared.mesh):
+        return jax.make_jaxpr(variant_step(shared, variant))(state, shared.batch, shared.quant_key)
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -593,6 +652,19 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def failure_reason(shared: Setup, variant: Variant, error: BaseException) -> str:
+    """One line: the error's first, after the cause the variant finds in its step's program where it
+    knows one (`Variant.explain`; XLA's GPU errors name no operation)."""
+    reason = first_line(error)
+    if variant.explain is None:
+        return reason
+    try:
+        cause = variant.explain(step_program(shared, variant, state_for(shared, variant)))
+    except Exception:  # noqa: BLE001 - no cause found: the error alone
+        return reason
+    return f"{cause}; the step failed: {reason}" if cause else reason
+
+
 def prepare(shared: Setup, name: str, warmup: int, results: Results) -> Callable | None:
     """Builds the variant, compiles its step and runs `warmup` steps; records the first step's loss and
     gradient norm. Returns the compiled step, or None where it was skipped or failed (recorded with the
@@ -622,8 +694,9 @@ def prepare(shared: Setup, name: str, warmup: int, results: Results) -> Callable
             return None
         first = warm_up(compiled, state, shared, warmup)
     except Exception as e:  # noqa: BLE001 - a variant that fails is a row that says so; the others go on
-        print(f"FAILED {name}: {first_line(e)}", flush=True)
-        results.update(name, **base, status="failed", reason=first_line(e))
+        reason = failure_reason(shared, variant, e)
+        print(f"FAILED {name}: {reason}", flush=True)
+        results.update(name, **base, status="failed", reason=reason)
         release_buffers()
         return None
     finite = all(math.isfinite(v) for v in first.values())

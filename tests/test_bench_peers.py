@@ -199,7 +199,7 @@ def scanned_tiny(**overrides):
     cfg = llama_config(
         "tiny", vocab_size=256, n_layers=2, scan_layers=True, remat="minimal_attention", **overrides
     )
-    assert cfg.dtype == "bfloat16"
+    assert cfg.dtype == overrides.get("dtype", "bfloat16")
     base = Llama(cfg, recipe="bf16")
     tokens = jnp.zeros((2, 32), jnp.int32)
     return base, base.init(jax.random.key(0), tokens)["params"], tokens
@@ -251,6 +251,64 @@ def test_qwix_on_a_gpu_keeps_the_scanned_blocks_carry_type(monkeypatch):
     model = bench_peers.qwix_variant(base).model
     jaxpr = jax.make_jaxpr(loss_and_grads(model, tokens))(params)
     assert bench_peers.count_primitive(jaxpr, bench_peers.SCALED_MATMUL) > 0  # qwix's GPU path ran
+
+
+def scaled_matmul_scales(jaxpr) -> set:
+    """The (lhs, rhs) scale dtypes of a program's jax.nn.scaled_matmul calls."""
+    return {
+        tuple(str(v.aval.dtype) for v in eqn.invars[2:])
+        for eqn in bench_peers.equations(jaxpr)
+        if eqn.primitive.name.startswith(bench_peers.SCALED_MATMUL)
+    }
+
+
+@pytest.mark.skipif(not HAS_QWIX, reason=f"qwix is not installed: {bench_peers.INSTALL_QWIX}")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_qwix_on_a_gpu_scales_its_gradient_gemms_in_two_dtypes_at_bfloat16(monkeypatch, dtype):
+    """On the H200 qwix 0.1.8's bfloat16 step failed ("INTERNAL: Input datatypes do not match") and the
+    check's float32 one ran. Through qwix's GPU path (traced here): at bfloat16 its Dgrad and Wgrad give
+    jax.nn.scaled_matmul the float32 gradient's scales beside the saved bfloat16 operand's, and the cause
+    the row names is found; at float32 every scale is float32 and none is."""
+    from qwix._src.core import mxfp_dot
+
+    monkeypatch.setattr(mxfp_dot, "_get_primary_platform", lambda: "gpu")
+    base, params, tokens = scanned_tiny(dtype=dtype)
+    jaxpr = jax.make_jaxpr(loss_and_grads(bench_peers.qwix_variant(base).model, tokens))(params)
+    cause = bench_peers.qwix_scale_mismatch(jaxpr)
+    if dtype == "float32":
+        assert scaled_matmul_scales(jaxpr) == {("float32", "float32")} and cause is None
+        return
+    assert scaled_matmul_scales(jaxpr) == {("bfloat16", "bfloat16"), ("float32", "bfloat16")}
+    assert cause.startswith("qwix 0.1.8 on GPUs: ") and "(float32 with bfloat16)" in cause
+    assert "\n" not in cause and "mxfp_dot.py:88" in cause
+
+
+@pytest.mark.skipif(not HAS_QWIX, reason=f"qwix is not installed: {bench_peers.INSTALL_QWIX}")
+def test_a_failed_qwix_row_on_a_gpu_names_the_cause_before_the_error(monkeypatch):
+    """The row of a step that fails: the cause qwix's program shows, then the error's first line; a
+    variant that knows no cause (bf16) keeps the error alone."""
+    from qwix._src.core import mxfp_dot
+
+    monkeypatch.setattr(mxfp_dot, "_get_primary_platform", lambda: "gpu")
+    config_path, overrides = bench_peers.SIZES["tiny"]
+    config = bench_peers.load_config(
+        config_path, [*overrides, f"--config.global_batch={jax.device_count()}", "--config.model.n_layers=1"]
+    )
+    shared = bench_peers.build_setup(config)
+    error = "INTERNAL: Input datatypes do not match.\n(the rest of XLA's message)"
+
+    def compile_step(*_):
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(bench_peers, "compile_step", compile_step)
+    results = bench_peers.Results("", {})
+    for name in ("qwix_mxfp4", "bf16"):
+        assert bench_peers.prepare(shared, name, 1, results) is None
+    qwix, bf16 = (results.entries[n] for n in ("qwix_mxfp4", "bf16"))
+    assert qwix["status"] == bf16["status"] == "failed"
+    assert bf16["reason"] == "RuntimeError: INTERNAL: Input datatypes do not match."
+    assert qwix["reason"].startswith("qwix 0.1.8 on GPUs: ") and "\n" not in qwix["reason"]
+    assert qwix["reason"].endswith("; the step failed: " + bf16["reason"])
 
 
 @pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
