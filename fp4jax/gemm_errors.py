@@ -255,6 +255,10 @@ def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Arr
 
     flush and sat are fractions of the non-zero elements of `used`; exp_min / exp_max range over MX
     blocks holding a non-zero element (0 when there is none).
+
+    `spec` quantizes (spec.format is not None); its FORMATS row picks the statistics: one scale per
+    tensor (block_size None) gives sat only; block scales under a tensor scale get _nvfp4_stats; E8M0
+    blocks get sat, the exponent range and, where the fp8 back end folds them, fold_flush.
     """
     used = used.astype(jnp.float32) * spec.prescale  # what the elements represent
     deq = q.dequantize(jnp.float32)
@@ -264,10 +268,10 @@ def operand_stats(used: jax.Array, q: Any, spec: QuantSpec) -> dict[str, jax.Arr
     count = jnp.maximum(jnp.sum(nonzero), 1).astype(jnp.float32)
     stats["flush"] = jnp.sum(nonzero & (deq == 0)) / count
     fmt = get_elem_format(spec.elem)
-    if spec.kind == "fp8":
+    if spec.format.block_size is None:  # one scale per tensor (FP8): no blocks, so no binades to range over
         stats["sat"] = jnp.sum(jnp.abs(used * q.scale) > fmt.max_value) / count
         return stats
-    if spec.kind == "nvfp4":
+    if spec.format.tensor_scale is not None:  # block scales under a per-tensor scale (NVFP4)
         return {**stats, **_nvfp4_stats(used, q, nonzero, count)}
     exponent = q.scale_exponent()  # (..., blocks)
     limit = ldexp_exact(jnp.full(exponent.shape, fmt.max_value, jnp.float32), exponent)
@@ -337,7 +341,7 @@ def gemm_stats(
     out = _compare(multiply_gemm_operands(qa, qc, gemm, backend=DIAG_BACKEND), ref)
     stats = {f"out_{k}": v for k, v in out.items()}
     for name, used, q, spec in zip(names, (used_a, used_c), (qa, qc), (gemm.lhs, gemm.rhs), strict=True):
-        if spec.kind != "none":
+        if spec.format is not None:  # a quantized operand
             stats.update({f"{name}_{k}": v for k, v in operand_stats(used, q, spec).items()})
     if gemm.needs_key and n_draws >= 2:
         stats.update(_draw_stats(a, c, gemm, key, ref, out["ref_sq"], n_draws))

@@ -15,7 +15,7 @@ import jax
 
 from fp4jax.ops.kernels import backends, probes
 from fp4jax.ops.quant_formats import FORMATS, format_of
-from fp4jax.ops.recipes import Recipe, get_recipe
+from fp4jax.ops.recipes import QuantSpec, Recipe, get_recipe
 
 __all__ = ["Execution", "resolve_execution"]
 
@@ -59,24 +59,33 @@ def _kernel_extras(recipe: Recipe) -> str:
     return f" ({'; '.join(extras)})" if extras else ""
 
 
+def _e4m3_scaled(spec: QuantSpec) -> bool:
+    """Whether the operand's blocks carry E4M3 scales (its FORMATS row's `scale`; NVFP4's is the one such
+    row). native's scaled_dot takes E4M3 scales only where backends.native_multiplies_nvfp4 holds, and
+    only against another E4M3-scaled operand (backends.native_supports); E8M0 (MX) scales need no probe."""
+    return spec.format is not None and spec.format.scale == "E4M3"
+
+
 def _unfolded(recipe: Recipe, backend: str) -> str:
     """Which operands the resolved back end multiplies as emulate, as a clause for the reason; else nothing.
 
     fp8: the block-scaled operands it does not fold exactly into E4M3 (backends.fp8_unfolded: MX other
-    than E2M1 and E2M3, i.e. E3M2 and MXFP8's E4M3/E5M2, and NVFP4). native: NVFP4 operands of GEMMs
-    whose other operand is not NVFP4, and every NVFP4 operand where backends.native_multiplies_nvfp4 is
-    false (off NVIDIA GPUs and the CPU, or where XLA does not compile its scaled_dot): scaled_dot
-    multiplies MX x MX and NVFP4 x NVFP4 (backends.native_supports). Shapes it does not take are not named.
+    than E2M1 and E2M3, i.e. E3M2 and MXFP8's E4M3/E5M2, and NVFP4). native: NVFP4 (E4M3-scaled,
+    _e4m3_scaled) operands of GEMMs whose other operand is not, and every such operand where
+    backends.native_multiplies_nvfp4 is false (off NVIDIA GPUs and the CPU, or where XLA does not compile
+    its scaled_dot): scaled_dot multiplies MX x MX and NVFP4 x NVFP4 (backends.native_supports). Shapes it
+    does not take are not named.
     """
     if backend == "fp8":
         unfolded = backends.fp8_unfolded(recipe)
         why = "no exact fold"
+    # The native reasons name NVFP4, the one E4M3-scaled row (tests and docs/numerics.md quote them).
     elif backend == "native" and not backends.native_multiplies_nvfp4():
-        unfolded = tuple(s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.kind == "nvfp4")
+        unfolded = tuple(s for g in recipe.gemms for s in (g.lhs, g.rhs) if _e4m3_scaled(s))
         why = "native multiplies NVFP4 on NVIDIA GPUs only, where XLA compiles its scaled_dot"
     elif backend == "native":
-        mixed = [g for g in recipe.gemms if (g.lhs.kind == "nvfp4") != (g.rhs.kind == "nvfp4")]
-        unfolded = tuple(s for g in mixed for s in (g.lhs, g.rhs) if s.kind == "nvfp4")
+        mixed = [g for g in recipe.gemms if _e4m3_scaled(g.lhs) != _e4m3_scaled(g.rhs)]
+        unfolded = tuple(s for g in mixed for s in (g.lhs, g.rhs) if _e4m3_scaled(s))
         why = "native multiplies NVFP4 by NVFP4 only"
     else:
         return ""

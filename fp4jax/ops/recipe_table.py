@@ -56,21 +56,26 @@ SOURCES: dict[str, str] = {
 }
 
 _ROUNDING = {"nearest_even": "RNE", "nearest_away": "RNA", "stochastic": "SR", "ms_eden": "MS-EDEN"}
-# NVFP4's scale rules by what they do (its QuantSpec default "floor" is the standard rule: block max to 6).
-_NVFP4_RULES = {"floor": "max to 6", "4over6_mse": "4/6 (MSE)", "4over6_mae": "4/6 (MAE)"}
+# The rules that choose an E4M3 block scale (NVFP4's row), by what they do: QuantSpec's default "floor"
+# is the standard rule there (block max to 6), not MX's floor of the E8M0 exponent. E8M0 block scales
+# show their rule by its own name (floor, even, ceil, ...).
+_E4M3_SCALE_RULES = {"floor": "max to 6", "4over6_mse": "4/6 (MSE)", "4over6_mae": "4/6 (MAE)"}
 
 
 def _rule(spec: QuantSpec) -> str:
+    """The scale rule of a block-scaled operand (spec.blocked), as the table names it."""
     if spec.rounding == "ms_eden":  # MS-EDEN sets its own scale: max to 6.07, EDEN-corrected, rounded by SR
         return "EDEN-corrected"
-    return _NVFP4_RULES[spec.scale_mode] if spec.kind == "nvfp4" else spec.scale_mode
+    return _E4M3_SCALE_RULES[spec.scale_mode] if spec.format.scale == "E4M3" else spec.scale_mode
 
 
 def _operand_format(spec: QuantSpec, recipe: Recipe) -> str:
-    if spec.kind == "none":
+    """The operand's format as the "formats" column names it: its FORMATS row's name (BF16 where it has
+    none: an unquantized operand), with its amax history where delayed-scaled."""
+    if spec.format is None:
         return "BF16"
     name = spec.format.name.replace("_", " ")
-    if spec.kind == "fp8" and spec.delayed:
+    if spec.delayed:  # only a per-tensor (FP8) row scales from amax histories (QuantKind.delayed_scaling)
         return f"{name} delayed ({recipe.fp8_amax_history_len}, {recipe.fp8_amax_compute_algo})"
     return name
 
@@ -79,7 +84,7 @@ def _operand(spec: QuantSpec, several_rules: bool) -> str:
     """One operand as its GEMM cell shows it: the format's letters where the GEMM mixes kinds, then
     rounding, pre-scale, 2D tiles and (where the preset has several) scale rule."""
     if not spec.blocked:
-        return "BF16" if spec.kind == "none" else spec.elem.upper()
+        return "BF16" if spec.format is None else spec.elem.upper()
     words = [_ROUNDING[spec.rounding]]
     if spec.prescale != 1:
         words.append(f"x{spec.prescale:g}")
