@@ -72,6 +72,7 @@ from fp4jax.ops.kernels.tile_math import (
     scale_bits,
     stored_data,
 )
+from fp4jax.ops.quant_formats import KINDS
 from fp4jax.ops.quantize import MXArray
 from fp4jax.ops.recipes import QUANTIZERS, ROTATIONS, QuantSpec, RotationSpec
 
@@ -112,7 +113,8 @@ def fused_refusal(spec: QuantSpec, rotation: RotationSpec) -> str | None:
     never run as a Hadamard. Callers take the reference path on a refusal (quantized_dot._fused_impl).
     """
     if not spec.quant_kind.fused:
-        return f"rotate_quantize takes an MX QuantSpec (kind='mx'), got kind={spec.kind!r}"
+        fused = ", ".join(repr(name) for name, kind in KINDS.items() if kind.fused)
+        return f"the fused quantizer takes the kinds {fused} only, got kind={spec.kind!r}"
     if spec.elem not in FUSED_ELEMS:
         return (
             f"the fused quantizer encodes {', '.join(FUSED_ELEMS)} elements, got elem={spec.elem!r}: "
