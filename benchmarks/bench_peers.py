@@ -248,6 +248,8 @@ def fp4jax_variant(name: str, config, base) -> Variant:
     recipe, execution = resolve_execution(recipe)
     model = base.clone(recipe=recipe)
     numerics = f"back end {execution.backend}; quantizer {execution.quantizer_runs}"
+    if all(spec.format is None for gemm in recipe.gemms for spec in (gemm.lhs, gemm.rhs)):
+        numerics = "unquantized: the model's dtype in every GEMM"  # back end and quantizer never run
     meta = model if recipe.uses_delayed_fp8 else None
     return Variant(name, "fp4jax", numerics, recipe.needs_key, meta, model)
 

@@ -85,6 +85,10 @@ def test_every_variant_is_a_row_that_ran_or_says_why(run):
             assert row["tokens_per_s"] > 0 and len(row["step_times_s"]) == 1
     assert rows["bf16"]["status"] == rows["mxfp4_full_ceil"]["status"] == "done"
     assert rows["bf16"]["step_buffers_gib"] > 0 and results["meta"]["memory_fraction"]
+    assert (
+        rows["bf16"]["numerics"].startswith("unquantized")
+        and "back end" in rows["mxfp4_full_ceil"]["numerics"]
+    )
     assert_plain(results)
     assert rows["mxfp4_full_ceil"]["vs_bf16"] > 0
     for mode in ("mxfp8", "nvfp4"):  # jax 0.10's scaled_matmul has no CPU lowering; a later jax may
