@@ -248,7 +248,7 @@ def fp4jax_variant(name: str, config, base) -> Variant:
     recipe, execution = resolve_execution(recipe)
     model = base.clone(recipe=recipe)
     numerics = f"back end {execution.backend}; quantizer {execution.quantizer_runs}"
-    if all(spec.format is None for gemm in recipe.gemms for spec in (gemm.lhs, gemm.rhs)):
+    if all(spec.format is None for spec in recipe.operands):
         numerics = "unquantized: the model's dtype in every GEMM"  # back end and quantizer never run
     meta = model if recipe.uses_delayed_fp8 else None
     return Variant(name, "fp4jax", numerics, recipe.needs_key, meta, model)
@@ -327,16 +327,15 @@ def qwix_scale_mismatch(closed_jaxpr) -> str | None:
         for eqn in equations(closed_jaxpr)
         if eqn.primitive.name.startswith(SCALED_MATMUL) and len(eqn.invars) == 4
     ]
-    mixed = sorted({pair for pair in pairs if pair[0] != pair[1]})
+    mixed = [pair for pair in pairs if pair[0] != pair[1]]
     if not mixed:
         return None
-    n = sum(pair[0] != pair[1] for pair in pairs)
-    kinds = ", ".join(f"{a} with {b}" for a, b in mixed)
+    kinds = ", ".join(f"{a} with {b}" for a, b in sorted(set(mixed)))
     return (
-        f"qwix {QWIX_VERSION} on GPUs: {n} of the {len(pairs)} jax.nn.scaled_matmul calls in its step "
-        f"(Dgrad, Wgrad) get block scales of two dtypes ({kinds}): the gradient is float32, qwix's forward "
-        "returning scaled_matmul's float32 (qwix/_src/core/mxfp_dot.py:88), the saved operand bfloat16, "
-        "and each scale keeps its operand's dtype (core/qarray.py:609, core/dot_general_qt.py:321)"
+        f"qwix {QWIX_VERSION} on GPUs: {len(mixed)} of the {len(pairs)} jax.nn.scaled_matmul calls in its "
+        f"step (Dgrad, Wgrad) get block scales of two dtypes ({kinds}): the gradient is float32, qwix's "
+        "forward returning scaled_matmul's float32 (qwix/_src/core/mxfp_dot.py:88), the saved operand "
+        "bfloat16, and each scale keeps its operand's dtype (core/qarray.py:609, core/dot_general_qt.py:321)"
     )
 
 

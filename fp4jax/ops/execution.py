@@ -47,7 +47,7 @@ def _quantizer_runs(recipe: Recipe) -> str:
 
 def _kernel_extras(recipe: Recipe) -> str:
     """What the kernels do for this recipe beyond nearest rounding, as a parenthesis (or nothing)."""
-    mx = [s for g in recipe.gemms for s in (g.lhs, g.rhs) if s.quant_kind.fused]
+    mx = [s for s in recipe.operands if s.quant_kind.fused]
     extras = []
     if any(s.rounding == "stochastic" for s in mx):
         extras.append(
@@ -81,7 +81,7 @@ def _unfolded(recipe: Recipe, backend: str) -> str:
         why = "no exact fold"
     # The native reasons name NVFP4, the one E4M3-scaled row (tests and docs/numerics.md quote them).
     elif backend == "native" and not backends.native_multiplies_nvfp4():
-        unfolded = tuple(s for g in recipe.gemms for s in (g.lhs, g.rhs) if _e4m3_scaled(s))
+        unfolded = tuple(s for s in recipe.operands if _e4m3_scaled(s))
         why = "native multiplies NVFP4 on NVIDIA GPUs only, where XLA compiles its scaled_dot"
     elif backend == "native":
         mixed = [g for g in recipe.gemms if _e4m3_scaled(g.lhs) != _e4m3_scaled(g.rhs)]

@@ -113,7 +113,7 @@ def _gemm_cell(gemm: GemmSpec, several_rules: bool) -> str:
 
 
 def _row(name: str, recipe: Recipe) -> list[str]:
-    specs = [s for g in recipe.gemms for s in (g.lhs, g.rhs)]
+    specs = recipe.operands
     formats = list(dict.fromkeys(_operand_format(s, recipe) for s in specs))
     rules = list(dict.fromkeys(_rule(s) for s in specs if s.blocked))
     first, last = high_precision_blocks(name)

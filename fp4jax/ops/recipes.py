@@ -333,6 +333,11 @@ class Recipe:
         return (self.fprop, self.dgrad, self.wgrad)
 
     @property
+    def operands(self) -> tuple[QuantSpec, ...]:
+        """The six operands' specs in GEMM order (fprop, dgrad, wgrad; lhs before rhs)."""
+        return tuple(s for g in self.gemms for s in (g.lhs, g.rhs))
+
+    @property
     def needs_key(self) -> bool:
         """True when some GEMM rounds stochastically or draws random signs per call."""
         return any(g.needs_key for g in self.gemms)
@@ -340,7 +345,7 @@ class Recipe:
     @property
     def uses_delayed_fp8(self) -> bool:
         """True when some operand uses delayed FP8 scaling (its amax histories are layer state)."""
-        return any(s.delayed for g in self.gemms for s in (g.lhs, g.rhs))
+        return any(s.delayed for s in self.operands)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -559,9 +564,7 @@ def with_fp8_scaling(recipe: str | Recipe, mode: str) -> Recipe:
     """
     _check_choice(mode, FP8_SCALING_MODES, "fp8_scaling")
     recipe = get_recipe(recipe)
-    if mode == "preset" or not any(
-        s.quant_kind.delayed_scaling for g in recipe.gemms for s in (g.lhs, g.rhs)
-    ):
+    if mode == "preset" or not any(s.quant_kind.delayed_scaling for s in recipe.operands):
         return recipe
 
     def spec(s: QuantSpec) -> QuantSpec:

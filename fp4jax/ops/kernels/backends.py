@@ -306,8 +306,7 @@ def fp8_unfolded(recipe: Recipe) -> tuple[QuantSpec, ...]:
     """The recipe's block-scaled operands (QuantSpec.blocked) that the fp8 back end does not fold
     (fp8_folds), in GEMM order (fprop, dgrad, wgrad; lhs before rhs). Empty: every GEMM with a block-scaled
     operand runs as one FP8 GEMM there; per-tensor FP8 and unquantized operands are not listed."""
-    operands = (s for g in recipe.gemms for s in (g.lhs, g.rhs))
-    return tuple(s for s in operands if s.blocked and not fp8_folds(s))
+    return tuple(s for s in recipe.operands if s.blocked and not fp8_folds(s))
 
 
 def quantizer_folds(a_spec: QuantSpec, c_spec: QuantSpec, backend: str) -> bool:
