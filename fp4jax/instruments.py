@@ -65,7 +65,7 @@ from fp4jax import diagnose, gemm_errors
 from fp4jax.data.iterator import make_train_iterator
 from fp4jax.models.llama import Llama, padded_vocab_size
 from fp4jax.ops import GemmSpec, Recipe, resolve_execution
-from fp4jax.ops.recipes import MXFP4, resolve_recipe
+from fp4jax.ops.recipes import MXFP4
 from fp4jax.report_files import save_png, write_json
 from fp4jax.training import checkpoint, setup
 from fp4jax.training.optimizer import make_optimizer
@@ -344,9 +344,7 @@ def run_config(run_dir: str, step: int) -> ml_collections.ConfigDict:
 def abstract_state(config, model_cfg, tx):
     """The trainer's TrainState of the run's model and optimizer as shapes on the first device: what a
     checkpoint of the run restores into (built once, for every step)."""
-    recipe = resolve_recipe(
-        config.recipe, config.get("fp8_scaling", "preset"), config.get("sr_rng", "preset")
-    )
+    recipe = setup.run_recipe(config)
     model = Llama(model_cfg, recipe=recipe)
     init = make_init_fn(model, tx, (1, min(config.seq_len, 64)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -25,6 +25,7 @@ from fp4jax.ops import PRESETS, GemmSpec, QuantSpec, Recipe
 from fp4jax.ops.formats import float8_to_float32
 from fp4jax.ops.nvfp4 import quantize_nvfp4
 from fp4jax.ops.quantize import quantize_fp8
+from fp4jax.ops.recipes import with_fp8_divide
 
 # Ops that only move or replicate elements: XLA's other passes may move a conversion across them, so a
 # chain through them is treated as direct.
@@ -235,16 +236,29 @@ def test_nvfp4_does_not_depend_on_the_divides_rounding(name):
     _assert_same_bits(written, off, f"{name} under a non-IEEE divide")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: the per-tensor FP8 scale (max / amax) and the GEMM's 1 / (scale_a * scale_c) use XLA's "
-    "divide, so on GPUs they may differ from IEEE's (and Transformer Engine's) in the last bit; kept while "
-    "the study's FP8 trunks must stay the same program (docs/numerics.md, 'Dividing on GPUs')",
-)
-def test_the_fp8_baseline_does_not_depend_on_the_divides_rounding():
-    recipe = PRESETS["fp8_mlperf"]
+@pytest.mark.parametrize("backend", ["emulate", "fp8"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_mlperf", "mxfp4_fprop"])
+def test_the_fp8_recipes_do_not_depend_on_the_divides_rounding(name, backend):
+    """The per-tensor FP8 scale max / amax and the GEMM's reciprocal of the scales are IEEE's quotients
+    (fp8_divide "ieee", every preset's), under current and delayed scaling and beside MX operands."""
+    recipe = dataclasses.replace(PRESETS[name], backend=backend)
     x, w, dy = _operands()
-    _assert_same_bits(*_written_and_off_divided(_layer(recipe, dy, _fp8_meta(recipe)), x, w), "fp8_mlperf")
+    meta = _fp8_meta(recipe) if recipe.uses_delayed_fp8 else None
+    _assert_same_bits(*_written_and_off_divided(_layer(recipe, dy, meta), x, w), f"{name} on {backend}")
+
+
+@pytest.mark.parametrize("backend", ["emulate", "fp8"])
+def test_fp8_divide_xla_keeps_the_back_ends_divide(backend):
+    """fp8_divide "xla" is the program the 125M study's FP8 trunks were trained with: its quotients are the
+    back end's own, so a divide one ulp off moves its outputs (the check would see IEEE's not move)."""
+    recipe = dataclasses.replace(with_fp8_divide("fp8_mlperf", "xla"), backend=backend)
+    x, w, dy = _operands()
+    # _fp8_meta's amaxes would not do for Wgrad: with 448 / 30 and 57344 / 3 one ulp up in each scale and
+    # one up in 1 / (product) cancel exactly; with 57344 / 2.5 they do not.
+    meta = {**_fp8_meta(recipe), "grad": jnp.full((recipe.fp8_amax_history_len,), 2.5, jnp.float32)}
+    written, off = _written_and_off_divided(_layer(recipe, dy, meta), x, w)
+    moved = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(written, off, strict=True)]
+    assert all(moved), f"outputs unmoved by a one-ulp divide under fp8_divide='xla': {moved}"
 
 
 @pytest.mark.parametrize("case", ["odd_scales", "tiny_2^-90", "random"])

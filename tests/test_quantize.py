@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fp4jax.ops import quantize_fp8, quantize_mx
-from fp4jax.ops.quantize import fp8_amax_history_update, fp8_scale_from_history
+from fp4jax.ops.quantize import fp8_amax_history_update, fp8_scale_from_amax, fp8_scale_from_history
 
 ELEMS = ("e2m1", "e4m3", "e5m2")
 SCALE_MODES = ("floor", "even", "ceil")
@@ -496,11 +496,11 @@ def _fp8_input(seed: int) -> np.ndarray:
 
 
 def _assert_fp8_dequant(got, want):
-    """data / scale. XLA:CPU's vectorised float32 division is not correctly rounded (measured: 1 ulp off the
-    IEEE quotient for ~15% of these inputs), so this one comparison allows 1 ulp; data and scale are exact."""
+    """data / scale, each element IEEE's quotient (fp8_divide "ieee"): bit for bit. (XLA:CPU's own
+    vectorised divide is 1 ulp off the IEEE quotient for ~15% of these inputs.)"""
     got = np.asarray(got)
     assert got.dtype == np.float32
-    np.testing.assert_array_max_ulp(got, np.asarray(want, np.float32), maxulp=1)
+    np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
 
 
 @pytest.mark.parametrize("elem", ("e4m3", "e5m2"))
@@ -587,6 +587,39 @@ def test_fp8_amax_history():
     for v in (1.0, 2.0, 3.0, 4.0):
         h = upd(h, jnp.full((2, 2), v))
     np.testing.assert_array_equal(np.asarray(h), [4.0, 3.0, 2.0])
+
+
+def test_fp8_scales_are_ieee_quotients_of_every_amax():
+    """max / amax as IEEE rounds it (numpy's float32 divide, overflow to inf) for amaxes across the whole
+    range and beside the divisors of 448, vectorised and per scalar. XLA:CPU's own divide agrees here; a
+    GPU's div.full.f32 does not always, which the GPU lane checks. "xla" is the back end's divide."""
+    rng = np.random.default_rng(7)
+    amaxes = np.concatenate(
+        [
+            np.exp2(rng.uniform(-120, 120, 4000)).astype(np.float32),
+            np.float32(448) / np.arange(1, 300, dtype=np.float32),
+            np.nextafter(np.float32(448) / np.arange(1, 300, dtype=np.float32), np.float32(np.inf)),
+        ]
+    )
+    for elem, top in (("e4m3", 448.0), ("e5m2", 57344.0)):
+        with np.errstate(over="ignore"):
+            want = np.float32(top) / amaxes
+        got = np.asarray(jax.jit(lambda a, e=elem: fp8_scale_from_amax(a, e))(jnp.asarray(amaxes)))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=elem)
+        for a in amaxes[:: len(amaxes) // 25]:
+            assert np.float32(fp8_scale_from_history(jnp.full(4, a), elem)) == np.float32(top) / a
+    xla = jax.jit(lambda a: fp8_scale_from_amax(a, "e4m3", divide="xla"))(jnp.asarray(amaxes))
+    np.testing.assert_array_equal(np.asarray(xla), np.asarray(jax.jit(lambda a: 448.0 / a)(amaxes)))
+    with pytest.raises(ValueError, match="unknown fp8_divide 'fast'"):
+        fp8_scale_from_amax(jnp.float32(3.0), "e4m3", divide="fast")
+
+
+def test_an_fp8_arrays_divide_is_static_and_kept():
+    """The divide travels with the array as structure (not a leaf), through jit and the GEMM's transpose."""
+    q = quantize_fp8(jnp.asarray(_fp8_input(3)), divide="xla")
+    assert q.divide == "xla" and len(jax.tree.leaves(q)) == 2
+    assert jax.jit(lambda a: a)(q).divide == "xla"
+    assert quantize_fp8(jnp.ones((2, 2))).divide == "ieee"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,10 +16,12 @@ from flax import linen as nn
 from fp4jax.models.llama import Llama, llama_config
 from fp4jax.ops import PRESETS, mx_dot_general, quantize_mx
 from fp4jax.ops.recipes import (
+    FP8_DIVIDE_MODES,
     FP8_SCALING_MODES,
     QuantSpec,
     get_recipe,
     resolve_recipe,
+    with_fp8_divide,
     with_fp8_scaling,
 )
 
@@ -96,6 +98,45 @@ def test_with_fp8_scaling_changes_only_fp8_scaling(name, mode):
         assert got.uses_delayed_fp8
     else:
         assert not got.uses_delayed_fp8
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("mode", FP8_DIVIDE_MODES)
+def test_with_fp8_divide_changes_only_the_fp8_operands_divide(name, mode):
+    preset = PRESETS[name]
+    got = with_fp8_divide(name, mode)
+    assert all(s.fp8_divide == "ieee" for *_, s in _operand_specs(preset))  # every preset's
+    for (_, _, a), (_, _, b) in zip(_operand_specs(preset), _operand_specs(got), strict=True):
+        want = a.kind == "fp8" and mode != "preset"
+        assert b == (dataclasses.replace(a, fp8_divide=mode) if want else a)
+    assert dataclasses.replace(got, **{g: getattr(preset, g) for g in STAGES}) == preset
+
+
+def test_fp8_divide_is_checked_where_it_is_set():
+    with pytest.raises(ValueError, match="unknown fp8_divide 'fast': use one of ieee, xla"):
+        QuantSpec(kind="fp8", elem="e4m3", fp8_divide="fast")
+    with pytest.raises(ValueError, match="fp8_divide applies to kind 'fp8'"):
+        QuantSpec(kind="mx", fp8_divide="xla")
+    with pytest.raises(ValueError, match="unknown fp8_divide 'fast': use one of preset, ieee, xla"):
+        with_fp8_divide("fp8", "fast")
+    assert resolve_recipe("fp8_mlperf", "preset", "preset", "xla") == with_fp8_divide("fp8_mlperf", "xla")
+
+
+def test_the_config_key_fp8_divide_reaches_the_recipe():
+    import ml_collections
+
+    from fp4jax.configs import base
+    from fp4jax.training import setup
+    from fp4jax.training.errors import ConfigError
+
+    assert base.get_config().fp8_divide == "preset"
+    config = ml_collections.ConfigDict({"recipe": "mxfp4_fprop", "fp8_scaling": "delayed"})
+    assert setup.run_recipe(config) == with_fp8_scaling("mxfp4_fprop", "delayed")  # a config without the key
+    config.fp8_divide = "xla"
+    assert setup.run_recipe(config).dgrad.lhs.fp8_divide == "xla"
+    config.fp8_divide = "fast"
+    with pytest.raises(ConfigError, match="^unknown fp8_divide 'fast'"):
+        setup.run_recipe(config)
 
 
 def test_fp8_under_delayed_scaling_is_the_mlperf_preset():

@@ -90,6 +90,17 @@ def test_the_committed_plan_loads_with_the_gate_first():
     assert labels == ["fp8/seed0", "full/seed0", "fp8/seed1", "full/seed1", "fp8/seed2", "full/seed2"]
 
 
+def test_the_committed_125m_plan_keeps_its_runs_fp8_divide_and_the_newer_plans_take_ieee():
+    """The 125M study's runs were trained with the back end's divide for FP8 scales: every stage pins it,
+    so a regenerated trunk repeats the committed one; plans with no committed runs take the default."""
+    for stage in designs.load_plan(PLAN).stages:
+        assert stage.overrides.get("fp8_divide") == "xla", stage.name
+        assert "--config.fp8_divide=xla" in plan.common_overrides(stage)
+    for name in ("scale350m.toml", "scale1b.toml", "confirm350m.toml"):
+        for stage in designs.load_plan(os.path.join(os.path.dirname(PLAN), name)).stages:
+            assert "fp8_divide" not in stage.overrides, (name, stage.name)
+
+
 def test_a_second_call_runs_nothing_and_the_gate_reads_the_runs(tiny_plan, tmp_path, monkeypatch):
     _fake(monkeypatch, FINISHER)
     root = str(tmp_path / "runs")

@@ -12,6 +12,9 @@ Keys:
 - sr_rng: the generator of stochastic rounding's random bits (fp4jax.ops.recipes.with_sr_rng): "preset"
   (each preset's own, jax's threefry: the default, bit for bit as before) or one of "threefry" and
   "threefry13" for every stochastically rounded operand (docs/numerics.md, "Random bits").
+- fp8_divide: how every per-tensor FP8 scale is divided (fp4jax.ops.recipes.with_fp8_divide): "preset"
+  (the presets' "ieee": IEEE's quotient on every back end, the default) or "xla" (the back end's own
+  divide, up to 2 ulp off on GPUs: the 125M study's committed runs; docs/numerics.md, "Dividing on GPUs").
 - model.size ("8b", "1b", "350m", "125m", "tiny") plus optional LlamaConfig overrides (None = the size's
   value; model.vocab_size None = the tokenizer's vocabulary rounded up to a multiple of 128).
   model.scaled_output_init (None = True): attention-out and MLP-down weights drawn with std
@@ -94,6 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.recipe = "bf16"
     c.fp8_scaling = "delayed"
     c.sr_rng = "preset"
+    c.fp8_divide = "preset"
     c.model = model_config("8b")
 
     c.global_batch = 32

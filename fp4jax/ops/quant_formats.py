@@ -87,7 +87,7 @@ def _quantize_mx(x, spec, key, fp8_scale):
 
 
 def _quantize_fp8(x, spec, key, fp8_scale):
-    return quantize.quantize_fp8(x, elem=spec.elem, scale=fp8_scale)
+    return quantize.quantize_fp8(x, elem=spec.elem, scale=fp8_scale, divide=spec.fp8_divide)
 
 
 def _quantize_nvfp4(x, spec, key, fp8_scale):

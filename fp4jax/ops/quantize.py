@@ -35,6 +35,7 @@ from fp4jax.ops.formats import (
 from fp4jax.ops.kernels import sr_bits
 
 __all__ = [
+    "FP8_DIVIDES",
     "ROUNDING_MODES",
     "OAS_FACTORS",
     "SCALE_MODES",
@@ -42,6 +43,7 @@ __all__ = [
     "MXArray",
     "amax",
     "fp8_amax_history_update",
+    "fp8_divide",
     "fp8_scale_from_amax",
     "fp8_scale_from_history",
     "ldexp_exact",
@@ -60,6 +62,10 @@ SCALE_MODES = ("floor", "even", "ceil", "oas")
 OAS_FACTORS = {"e2m1": 12.0 / 7.0, "e4m3": 60.0 / 31.0}
 _OAS_TINY_SCALE = 2.0**-63  # qwix: a scale below sqrt(float32 tiny) is replaced by 1
 ROUNDING_MODES = ("nearest_even", "nearest_away", "stochastic")
+# How a per-tensor FP8 scale's quotients are divided (fp8_divide): "ieee", IEEE's quotient on every back
+# end (formats.divide_nearest_even; Transformer Engine's); "xla", the back end's own divide (up to 2 ulp
+# from IEEE on GPUs), the program the 125M study's FP8 trunks were trained with, kept for their continuity.
+FP8_DIVIDES = ("ieee", "xla")
 
 _EVEN_ROUND_BIT = 0x200000  # 2^21: rounds a float32 significand to 2 significant bits
 
@@ -373,13 +379,17 @@ class FP8Array:
 
     data: jax.Array
     scale: jax.Array
+    # How the quotients of this scale are divided (FP8_DIVIDES): where the scale came from and how a GEMM
+    # takes its reciprocal. Static: part of the tree's structure, not a leaf.
+    divide: str = dataclasses.field(default="ieee", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.data.shape
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        return (float8_to_float32(self.data) / self.scale).astype(dtype)
+        """data / scale, each element's quotient divided as `divide` does (fp8_divide)."""
+        return fp8_divide(float8_to_float32(self.data), self.scale, self.divide).astype(dtype)
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -387,16 +397,30 @@ def amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(jnp.asarray(x, jnp.float32)))
 
 
-def fp8_scale_from_amax(tensor_amax: jax.Array, elem: str = "e4m3") -> jax.Array:
-    """Current scaling: max_value / amax, so the largest magnitude lands on the format's maximum; 1 if 0."""
+def fp8_divide(numerator, denominator, divide: str = "ieee") -> jax.Array:
+    """numerator / denominator in float32 for a per-tensor FP8 scale: IEEE's quotient on every back end
+    (divide "ieee") or the back end's own divide ("xla"; FP8_DIVIDES)."""
+    if divide == "ieee":
+        return formats.divide_nearest_even(numerator, denominator)
+    if divide == "xla":
+        return numerator / denominator
+    raise ValueError(f"unknown fp8_divide {divide!r}: use one of {', '.join(FP8_DIVIDES)}")
+
+
+def fp8_scale_from_amax(tensor_amax: jax.Array, elem: str = "e4m3", divide: str = "ieee") -> jax.Array:
+    """Current scaling: max_value / amax, so the largest magnitude lands on the format's maximum; 1 if 0.
+    The quotient as `divide` (FP8_DIVIDES) computes it."""
     fmt = get_elem_format(elem)
     tensor_amax = jnp.asarray(tensor_amax, jnp.float32)
     safe = jnp.where(tensor_amax > 0, tensor_amax, 1.0)
-    return jnp.where(tensor_amax > 0, jnp.float32(fmt.max_value) / safe, jnp.float32(1.0))
+    return jnp.where(tensor_amax > 0, fp8_divide(jnp.float32(fmt.max_value), safe, divide), jnp.float32(1.0))
 
 
-def quantize_fp8(x: jax.Array, *, elem: str = "e4m3", scale: jax.Array | None = None) -> FP8Array:
-    """Per-tensor FP8: data = saturate(round_half_even(x * scale)); scale=None means current scaling.
+def quantize_fp8(
+    x: jax.Array, *, elem: str = "e4m3", scale: jax.Array | None = None, divide: str = "ieee"
+) -> FP8Array:
+    """Per-tensor FP8: data = saturate(round_half_even(x * scale)); scale=None means current scaling
+    (its quotient as `divide` computes it, which the FP8Array keeps for the GEMM's reciprocal).
 
     The rounding is the element dtype's own conversion from float32 (IEEE round-half-to-even, subnormals
     kept), after a clip that saturates at the format's largest finite value: a three-operation chain that
@@ -410,11 +434,11 @@ def quantize_fp8(x: jax.Array, *, elem: str = "e4m3", scale: jax.Array | None = 
             f"quantize_fp8 takes elem 'e4m3' or 'e5m2'; {fmt.name} is an MX element (quantize_mx)"
         )
     x = jnp.asarray(x, jnp.float32)
-    scale = fp8_scale_from_amax(amax(x), elem) if scale is None else jnp.asarray(scale, jnp.float32)
+    scale = fp8_scale_from_amax(amax(x), elem, divide) if scale is None else jnp.asarray(scale, jnp.float32)
     y = x * scale
     saturated = jnp.clip(y, -fmt.max_value, fmt.max_value)
     data = jnp.where(jnp.isnan(y), jnp.nan, saturated)  # one NaN pattern, whatever the sign of y's NaN
-    return FP8Array(data=data.astype(fmt.dtype), scale=scale)
+    return FP8Array(data=data.astype(fmt.dtype), scale=scale, divide=divide)
 
 
 def fp8_amax_history_update(history: jax.Array, x: jax.Array) -> jax.Array:
@@ -422,9 +446,11 @@ def fp8_amax_history_update(history: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.roll(history, 1).at[0].set(amax(x))
 
 
-def fp8_scale_from_history(history: jax.Array, elem: str = "e4m3", algo: str = "max") -> jax.Array:
+def fp8_scale_from_history(
+    history: jax.Array, elem: str = "e4m3", algo: str = "max", divide: str = "ieee"
+) -> jax.Array:
     """Delayed scaling (Transformer Engine's DelayedScaling): the scale from the history's largest amax
-    (algo "max") or its newest one, history[0] (algo "most_recent")."""
+    (algo "max") or its newest one, history[0] (algo "most_recent"), divided as `divide` does."""
     if algo not in ("max", "most_recent"):
         raise ValueError(f"unknown amax algo {algo!r}: use 'max' or 'most_recent'")
-    return fp8_scale_from_amax(jnp.max(history) if algo == "max" else history[0], elem)
+    return fp8_scale_from_amax(jnp.max(history) if algo == "max" else history[0], elem, divide)

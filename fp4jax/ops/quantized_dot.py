@@ -242,7 +242,7 @@ def _quantize_side(
         # tensor one amax and one cast that XLA's CSE shares between the two GEMMs reading it (x: Fprop
         # and Wgrad, dy: Dgrad and Wgrad, W: Fprop and Dgrad); the transpose then moves FP8 bytes.
         q = quantize_operand(x, spec, key, fp8_scale)
-        return q if axis == -1 else quantize.FP8Array(data=_swap(q.data), scale=q.scale)
+        return q if axis == -1 else dataclasses.replace(q, data=_swap(q.data))
     return quantize_operand(_rotated_rows(x, axis, rotation, signs), spec, key, fp8_scale)
 
 
@@ -387,11 +387,13 @@ def rotated_gemm_operands(a, c, gemm: GemmSpec, key, fp8_scales=(None, None)) ->
 def _fp8_scales(recipe: Recipe, fp8_meta, stage: str) -> tuple[Any, Any]:
     """Delayed-scaling FP8 scales for one GEMM's operands from the amax histories (None = current)."""
     gemm = getattr(recipe, stage)
+    algo = recipe.fp8_amax_compute_algo
     scales = []
     for spec, role in zip((gemm.lhs, gemm.rhs), FP8_HISTORY_ROLES[stage], strict=True):
-        delayed = spec.delayed
-        algo = recipe.fp8_amax_compute_algo
-        scales.append(quantize.fp8_scale_from_history(fp8_meta[role], spec.elem, algo) if delayed else None)
+        if spec.delayed:
+            scales.append(quantize.fp8_scale_from_history(fp8_meta[role], spec.elem, algo, spec.fp8_divide))
+        else:
+            scales.append(None)
     return tuple(scales)
 
 

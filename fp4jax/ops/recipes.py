@@ -31,6 +31,7 @@ from fp4jax.ops.quant_formats import (
     QuantFormat,
     QuantKind,
 )
+from fp4jax.ops.quantize import FP8_DIVIDES
 from fp4jax.ops.rotation import rotate_blocks
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "RHT128",
     "RHT16_PER_RUN",
     "ROTATIONS",
+    "FP8_DIVIDE_MODES",
     "ROTATION_KINDS",
     "SIGN_POLICIES",
     "SR_RNG_MODES",
@@ -79,6 +81,7 @@ __all__ = [
     "get_recipe",
     "high_precision_blocks",
     "resolve_recipe",
+    "with_fp8_divide",
     "with_fp8_scaling",
     "with_sr_rng",
 ]
@@ -99,6 +102,9 @@ FP8_SCALING_MODES = ("preset", "current", "delayed")
 # The config key `sr_rng`: "preset" keeps each operand's own generator; the others (sr_bits.GENERATORS)
 # give every stochastically rounded operand that one (with_sr_rng).
 SR_RNG_MODES = ("preset", *GENERATORS)
+# The config key `fp8_divide`: "preset" keeps each operand's own (every preset's: "ieee"); the others
+# (quantize.FP8_DIVIDES) give every per-tensor FP8 operand that one (with_fp8_divide).
+FP8_DIVIDE_MODES = ("preset", *FP8_DIVIDES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +168,10 @@ class QuantSpec:
 
     rng names the generator of stochastic rounding's random bits (kernels/sr_bits.GENERATORS): "threefry"
     (jax.random.bits, every preset's) or "threefry13" (a third of its arithmetic; docs/numerics.md).
+
+    fp8_divide (fp8 only; quantize.FP8_DIVIDES): how the per-tensor scale max / amax and the GEMM's
+    reciprocal of the scales are divided: "ieee" (IEEE's quotient on every back end, every preset's) or
+    "xla" (the back end's own divide, up to 2 ulp off on GPUs: the 125M study's committed FP8 runs).
     """
 
     kind: str = "none"
@@ -175,6 +185,7 @@ class QuantSpec:
     prescale: float = 1.0
     block_2d: bool = False
     rng: str = "threefry"
+    fp8_divide: str = "ieee"
 
     def __post_init__(self):
         _check_choice(self.kind, QUANT_KINDS, "quantization kind")
@@ -185,6 +196,9 @@ class QuantSpec:
         _check_choice(self.rounding, ROUNDINGS, "rounding")
         _check_choice(self.fp8_scaling, FP8_SCALINGS, "fp8_scaling")
         _check_choice(self.rng, GENERATORS, "random-bit generator rng")
+        _check_choice(self.fp8_divide, FP8_DIVIDES, "fp8_divide")
+        if self.fp8_divide != "ieee" and not self.quant_kind.per_tensor:
+            raise ValueError(f"fp8_divide applies to kind 'fp8' (per-tensor) only, not {self.kind!r}")
         require_power_of_two(self.block_size, "block_size")
         if not 0 < self.prescale <= 1:
             raise ValueError(f"prescale must lie in (0, 1], got {self.prescale!r}")
@@ -555,6 +569,15 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
         raise ValueError(f"unknown recipe {recipe!r}: use one of {', '.join(PRESETS)} or a Recipe") from None
 
 
+def _with_operands(recipe: Recipe, spec) -> Recipe:
+    """`recipe` with each of its six operand specs s replaced by spec(s)."""
+    gemms = {
+        stage: dataclasses.replace(g, lhs=spec(g.lhs), rhs=spec(g.rhs))
+        for stage, g in zip(GEMMS, recipe.gemms, strict=True)
+    }
+    return dataclasses.replace(recipe, **gemms)
+
+
 def with_fp8_scaling(recipe: str | Recipe, mode: str) -> Recipe:
     """`recipe` with every FP8 operand on one scaling; MX and unquantized operands are untouched.
 
@@ -570,12 +593,8 @@ def with_fp8_scaling(recipe: str | Recipe, mode: str) -> Recipe:
     def spec(s: QuantSpec) -> QuantSpec:
         return dataclasses.replace(s, fp8_scaling=mode) if s.quant_kind.delayed_scaling else s
 
-    gemms = {
-        stage: dataclasses.replace(g, lhs=spec(g.lhs), rhs=spec(g.rhs))
-        for stage, g in zip(GEMMS, recipe.gemms, strict=True)
-    }
     history = dict(fp8_amax_history_len=MLPERF_FP8_HISTORY_LEN, fp8_amax_compute_algo=MLPERF_FP8_AMAX_ALGO)
-    return dataclasses.replace(recipe, **gemms, **(history if mode == "delayed" else {}))
+    return dataclasses.replace(_with_operands(recipe, spec), **(history if mode == "delayed" else {}))
 
 
 def with_sr_rng(recipe: str | Recipe, rng: str) -> Recipe:
@@ -590,13 +609,26 @@ def with_sr_rng(recipe: str | Recipe, rng: str) -> Recipe:
     def spec(s: QuantSpec) -> QuantSpec:
         return dataclasses.replace(s, rng=rng) if s.rounding == "stochastic" else s
 
-    gemms = {
-        stage: dataclasses.replace(g, lhs=spec(g.lhs), rhs=spec(g.rhs))
-        for stage, g in zip(GEMMS, recipe.gemms, strict=True)
-    }
-    return dataclasses.replace(recipe, **gemms)
+    return _with_operands(recipe, spec)
 
 
-def resolve_recipe(recipe: str | Recipe, fp8_scaling: str = "preset", sr_rng: str = "preset") -> Recipe:
-    """The Recipe a run trains with: the preset `recipe` under the config's `fp8_scaling` and `sr_rng`."""
-    return with_sr_rng(with_fp8_scaling(recipe, fp8_scaling), sr_rng)
+def with_fp8_divide(recipe: str | Recipe, divide: str) -> Recipe:
+    """`recipe` with every per-tensor FP8 operand's scale divided as `divide` does (FP8_DIVIDE_MODES;
+    "preset": the recipe as it is). A recipe without such operands comes back equal to itself."""
+    _check_choice(divide, FP8_DIVIDE_MODES, "fp8_divide")
+    recipe = get_recipe(recipe)
+    if divide == "preset":
+        return recipe
+
+    def spec(s: QuantSpec) -> QuantSpec:
+        return dataclasses.replace(s, fp8_divide=divide) if s.quant_kind.per_tensor else s
+
+    return _with_operands(recipe, spec)
+
+
+def resolve_recipe(
+    recipe: str | Recipe, fp8_scaling: str = "preset", sr_rng: str = "preset", fp8_divide: str = "preset"
+) -> Recipe:
+    """The Recipe a run trains with: the preset `recipe` under the config's `fp8_scaling`, `sr_rng` and
+    `fp8_divide`."""
+    return with_fp8_divide(with_sr_rng(with_fp8_scaling(recipe, fp8_scaling), sr_rng), fp8_divide)

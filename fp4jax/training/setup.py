@@ -298,12 +298,18 @@ def execution_overrides(environ=None) -> dict[str, str]:
     return overrides
 
 
+def run_recipe(config):
+    """The Recipe the config trains with: its preset under its fp8_scaling (so the FP8 stages of every
+    rung scale alike), sr_rng and fp8_divide; "preset" where a config predates a key."""
+    modes = (config.get(key, "preset") for key in ("fp8_scaling", "sr_rng", "fp8_divide"))
+    with config_values():
+        return resolve_recipe(config.recipe, *modes)
+
+
 def resolve_run_execution(config, environ=None):
-    """(the Recipe the run trains with, ops.Execution): the config's preset under its fp8_scaling and
-    sr_rng, the environment's overrides applied, the back end resolved and checked here, before anything
-    is traced."""
-    fp8_scaling, sr_rng = config.get("fp8_scaling", "preset"), config.get("sr_rng", "preset")
-    recipe = resolve_recipe(config.recipe, fp8_scaling, sr_rng)  # FP8 stages: one scaling
+    """(the Recipe the run trains with, ops.Execution): run_recipe(config), the environment's overrides
+    applied, the back end resolved and checked here, before anything is traced."""
+    recipe = run_recipe(config)
     overrides = execution_overrides(environ)
     source = f"environment variable {GEMM_BACKEND_ENV}"
     with config_values(f"recipe {config.recipe}: "):

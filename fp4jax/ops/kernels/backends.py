@@ -47,7 +47,7 @@ from fp4jax.ops.kernels.probes import (
     NATIVE_K_MULTIPLE,
     NATIVE_MN_MULTIPLE,
 )
-from fp4jax.ops.quantize import FP8Array, MXArray
+from fp4jax.ops.quantize import FP8Array, MXArray, fp8_divide
 from fp4jax.ops.recipes import BACKENDS, QuantSpec, Recipe
 
 __all__ = [
@@ -176,15 +176,23 @@ def _emulate_nvfp4(a, c, precision) -> jax.Array:
     return out * alpha
 
 
+def _scales_divide(a, c) -> str:
+    """How a GEMM divides by its FP8 operands' scales: IEEE's quotient, unless an operand was scaled
+    under fp8_divide "xla" (then the back end's divide, the program such operands were trained with)."""
+    return "xla" if any(isinstance(x, FP8Array) and x.divide == "xla" for x in (a, c)) else "ieee"
+
+
 def _emulate(a, c, precision, out_dtype=jnp.float32) -> jax.Array:
     if isinstance(a, nvfp4.NVFP4Array) or isinstance(c, nvfp4.NVFP4Array):
         return _emulate_nvfp4(a, c, precision)
     both_fp8 = isinstance(a, FP8Array) and isinstance(c, FP8Array)
     a_values, a_scale = _emulate_input(a, both_fp8)
     c_values, c_scale = _emulate_input(c, both_fp8)
+    divide = _scales_divide(a, c)
     if both_fp8:
         precision = fp8_dot_precision(a_values, c_values) or precision
-        return fp8_scaled_matmul(a_values, c_values, 1.0 / (a_scale * c_scale), out_dtype, precision)
+        inverse = fp8_divide(1.0, a_scale * c_scale, divide)
+        return fp8_scaled_matmul(a_values, c_values, inverse, out_dtype, precision)
     dtype = jnp.promote_types(a_values.dtype, c_values.dtype)
     a_values, c_values = a_values.astype(dtype), c_values.astype(dtype)
     out = jax.lax.dot_general(
@@ -198,7 +206,7 @@ def _emulate(a, c, precision, out_dtype=jnp.float32) -> jax.Array:
         return out
     a_scale = jnp.float32(1.0) if a_scale is None else a_scale
     c_scale = jnp.float32(1.0) if c_scale is None else c_scale
-    return out * (1.0 / (a_scale * c_scale))
+    return out * fp8_divide(1.0, a_scale * c_scale, divide)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -324,7 +332,7 @@ def _fold_or_fp8(x, fp8_dtype):
     """(FP8 values, int32 row exponents (b, rows) or None, float32 scalar to multiply by or None); an
     MXArray is folded here, a FoldedOperand (folded by a fused quantizer) is used as it is."""
     if isinstance(x, FP8Array):
-        return x.data, None, 1.0 / x.scale
+        return x.data, None, fp8_divide(1.0, x.scale, x.divide)
     folded = x if isinstance(x, fold.FoldedOperand) else fold.fold_mx_to_fp8(x, fp8_dtype=fp8_dtype)
     return folded.data, folded.row_exponent, None
 
