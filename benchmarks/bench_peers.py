@@ -10,9 +10,9 @@ tokens, through the trainer's own pure step (`fp4jax.training.state.train_step`:
 What differs is the dot_general of the seven projections (q, k, v, o, gate, up, down); the embedding,
 attention and LM head stay as the model has them:
 
-- fp4jax: a recipe (a PRESETS name, resolved as the trainer resolves it, the config's fp8_scaling
-  applied), and `mxfp4_full_ceil`: mxfp4_full with qwix's scale rule (`ceil`), fp4jax's twin of qwix's
-  variant.
+- fp4jax: a recipe (a PRESETS name, resolved as the trainer resolves it: the config's fp8_scaling,
+  sr_rng and fp8_divide applied), and `mxfp4_full_ceil`: mxfp4_full with qwix's scale rule (`ceil`),
+  fp4jax's twin of qwix's variant.
 - `qwix_mxfp4`: qwix 0.1.8's quantized training (`QtProvider`, `qwix.quantize_model`): MXFP4 on both
   operands of every forward GEMM and, through its backward settings, on both operands of Dgrad and Wgrad,
   each projection handed to it as one 2-D product (`as_matrix_product` says why). On a GPU with bfloat16
@@ -243,8 +243,10 @@ def ceil_recipe() -> Recipe:
 
 
 def fp4jax_variant(name: str, config, base) -> Variant:
-    """A preset under the config's fp8_scaling (as the trainer resolves it), or the ceil twin of qwix."""
-    recipe = ceil_recipe() if name == CEIL_RECIPE_NAME else resolve_recipe(name, config.fp8_scaling)
+    """A preset under the config's fp8_scaling, sr_rng and fp8_divide (as the trainer resolves it), or the
+    ceil twin of qwix."""
+    modes = (config.get(key, "preset") for key in ("fp8_scaling", "sr_rng", "fp8_divide"))
+    recipe = ceil_recipe() if name == CEIL_RECIPE_NAME else resolve_recipe(name, *modes)
     recipe, execution = resolve_execution(recipe)
     model = base.clone(recipe=recipe)
     numerics = f"back end {execution.backend}; quantizer {execution.quantizer_runs}"

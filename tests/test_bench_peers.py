@@ -16,6 +16,8 @@ from long_lane import SLOW
 from tiny_runs import subprocess_env
 
 from fp4jax.models.llama import Llama, llama_config
+from fp4jax.ops import get_recipe
+from fp4jax.training import setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # as when the script runs: its harness beside it
@@ -161,6 +163,22 @@ def test_check_finds_qwix_equal_where_the_contract_says(checked):
 
 def first_loss(results, variant: str) -> float:
     return next(r["first_step"]["loss"] for r in results["variants"] if r["variant"] == variant)
+
+
+def test_a_variant_takes_the_recipe_as_the_trainer_resolves_it():
+    """--config.fp8_divide / sr_rng / fp8_scaling reach an fp4jax variant's recipe (setup.run_recipe's
+    resolution), so one benchmark call can compare a preset under two settings."""
+    config_path, overrides = bench_peers.SIZES["tiny"]
+    settings = ["--config.fp8_divide=xla", "--config.sr_rng=threefry13", "--config.fp8_scaling=delayed"]
+    config = bench_peers.load_config(config_path, [*overrides, *settings])
+    base = llama_config("tiny", vocab_size=256, n_layers=1)
+    for name in ("fp8_mlperf", "mxfp4_full_sr"):
+        as_trained = config.copy_and_resolve_references()
+        as_trained.recipe = name
+        recipe = bench_peers.fp4jax_variant(name, config, Llama(base)).model.recipe
+        assert recipe == setup.run_recipe(as_trained) != get_recipe(name)
+    fp8 = bench_peers.fp4jax_variant("fp8_mlperf", config, Llama(base)).model.recipe
+    assert fp8.fprop.lhs.fp8_divide == "xla"
 
 
 @pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
