@@ -125,7 +125,7 @@ for _option, _parse in (
 import ordering  # noqa: E402
 import pytest  # noqa: E402
 import shards  # noqa: E402
-from tiny_runs import good_run, good_run_result, token_cache, xla_cache  # noqa: E402, F401
+from tiny_runs import good_run, good_run_events, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
 from fp4jax import logs  # noqa: E402
 from fp4jax.ops.kernels import probes  # noqa: E402

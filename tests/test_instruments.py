@@ -65,8 +65,9 @@ def tiny_model():
     """(model config, params, K batches of random tokens, bf16 gradient function) of a random tiny Llama."""
     cfg = llama.llama_config("tiny", vocab_size=256, remat="none", max_seq_len=16)
     tokens = jnp.zeros((1, 16), jnp.int32)
-    params = nn.meta.unbox(llama.init_variables(llama.Llama(cfg), {"params": jax.random.key(0)}, tokens))
-    params = params["params"]
+    # jitted: one program, where init run eagerly compiled each of its ops (and the forward pass's) alone
+    init = jax.jit(lambda key: nn.meta.unbox(llama.init_variables(llama.Llama(cfg), {"params": key}, tokens)))
+    params = init(jax.random.key(0))["params"]
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(K):

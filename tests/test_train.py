@@ -22,14 +22,16 @@ from long_lane import SLOW
 from tiny_runs import (
     compare,
     compilation_cache,
+    record_dispatch_and_fetch,
     tiny_config,
     train_losses,
 )
 
 from fp4jax.models.sharding import MESH_AXES, make_mesh, sharding_context
 from fp4jax.ops import get_recipe
+from fp4jax.ops.recipes import with_fp8_divide
 from fp4jax.train import train
-from fp4jax.training import checkpoint, metrics, setup
+from fp4jax.training import checkpoint, integrity, metrics, setup
 from fp4jax.training import summary as summaries
 from fp4jax.training.divergence import DivergenceGuard
 from fp4jax.training.metrics import read_metrics
@@ -386,40 +388,21 @@ def test_step_timer_counts_each_update_once():
     np.testing.assert_allclose(spans, [1.0, 1.5, 1.0, 1.2])
 
 
-def _dispatch_and_fetch_order(monkeypatch) -> list[str]:
-    """Records the trainer's dispatches ("d3": update 3 dispatched) and fetches ("f3") as they happen."""
-    from fp4jax.training import trainer
-
-    events, dispatch, fetch = [], trainer._dispatch, trainer._fetch
-
-    def recorded_dispatch(run, step, batch):
-        events.append(f"d{step}")
-        return dispatch(run, step, batch)
-
-    def recorded_fetch(run, step, device_metrics, timer):
-        events.append(f"f{step}")
-        return fetch(run, step, device_metrics, timer)
-
-    monkeypatch.setattr(trainer, "_dispatch", recorded_dispatch)
-    monkeypatch.setattr(trainer, "_fetch", recorded_fetch)
-    return events
-
-
 def test_dispatch_ahead_only_between_plain_updates_and_changes_no_number(
-    tmp_path, token_cache, good_run, monkeypatch
+    tmp_path, token_cache, good_run, good_run_events, monkeypatch
 ):
     """Update s + 1 goes out before s's metrics are fetched unless an evaluation or a checkpoint falls
     after s (the tiny run: checkpoints after 2, 4, 6, an evaluation after 4); the metrics and the
-    checkpoints are the same as with dispatch_ahead off."""
-    events = _dispatch_and_fetch_order(monkeypatch)
+    checkpoints are the same as with dispatch_ahead off. The run with it on (the default) is the session's
+    good run, whose order tiny_runs recorded."""
+    events = record_dispatch_and_fetch(monkeypatch)
     train(tiny_config(token_cache, dispatch_ahead=False), str(tmp_path / "in_turn"))
-    in_turn, events[:] = list(events), []
-    train(tiny_config(token_cache), str(tmp_path / "ahead"))
-    assert in_turn == ["d1", "f1", "d2", "f2", "d3", "f3", "d4", "f4", "d5", "f5", "d6", "f6"]
-    assert events == ["d1", "d2", "f1", "f2", "d3", "d4", "f3", "f4", "d5", "d6", "f5", "f6"]
-    for run in ("in_turn", "ahead"):
-        assert compare(tmp_path / run) == compare(good_run)
-        assert checkpoint.make_manager(str(tmp_path / run), keep=3).all_steps() == [2, 4, 6]
+    assert tiny_config(token_cache).dispatch_ahead
+    assert events == ["d1", "f1", "d2", "f2", "d3", "f3", "d4", "f4", "d5", "f5", "d6", "f6"]
+    assert good_run_events == ["d1", "d2", "f1", "f2", "d3", "d4", "f3", "f4", "d5", "d6", "f5", "f6"]
+    assert compare(tmp_path / "in_turn") == compare(good_run)
+    assert checkpoint.make_manager(str(tmp_path / "in_turn"), keep=3).all_steps() == [2, 4, 6]
+    assert sorted(integrity.step_dirs(str(good_run / "checkpoints"))) == [2, 4, 6]
 
 
 def test_stop_agreed_with_an_update_ahead_saves_that_update(tmp_path, token_cache, good_run, monkeypatch):
@@ -428,7 +411,7 @@ def test_stop_agreed_with_an_update_ahead_saves_that_update(tmp_path, token_cach
     from fp4jax.training.preemption import StopSignals
 
     monkeypatch.setattr(StopSignals, "agreed", lambda self, step: step == 1)
-    events = _dispatch_and_fetch_order(monkeypatch)
+    events = record_dispatch_and_fetch(monkeypatch)
     summary = train(tiny_config(token_cache, checkpoint_every_steps=0), str(tmp_path))
     assert events == ["d1", "d2", "f1", "f2"]
     assert (summary["status"], summary["steps"]) == ("preempted", 2)
@@ -457,7 +440,8 @@ def test_diagnostics_probe_and_profiler_switch(tmp_path, token_cache, monkeypatc
     overrides = {"diagnostics.every": 2, "profile.start_step": 3, "profile.num_steps": 2}
     train(tiny_config(token_cache, **overrides), str(tmp_path))
     records = [r for r in read_metrics(str(tmp_path)) if "eval_loss" not in r]
-    assert calls == [get_recipe("fp8_delayed")]  # the tiny set-up runs presets as defined
+    # the recipe the run trains with: the preset as defined, but for the tiny runs' FP8 divide (tiny_runs.py)
+    assert calls == [with_fp8_divide(get_recipe("fp8_delayed"), "xla")]
     assert [r["step"] for r in records if "diag/rows" in r] == [2, 4, 6]
     assert all(r["diag/rows"] == 8 and r["diag_time_s"] > 0 for r in records if "diag/rows" in r)
     files = [f for _, _, names in os.walk(tmp_path / "profile") for f in names]

@@ -4,6 +4,12 @@ The tiny_c4 set-up (configs/tiny_c4_h16.py) shrunk: recipe fp8_delayed (its amax
 that must survive a resume), 32-token sequences, batch 8, a handful of steps. Runs of one program (new jit
 objects each) compile once through a persistent XLA cache, the CLI subprocesses too.
 
+Their FP8 scales divide with the back end's own divide (fp8_divide "xla"), not the presets' IEEE quotient:
+how a scale is divided is not what these runs test, and the exact quotient doubles each run's tracing and
+compiling (a tiny run 7.5 -> 15.4 s, one whose programs are cached 3.2 -> 7.8 s, 2026-12-07). The IEEE
+divide is tested by tests/test_quantize.py, test_recipes.py and test_conversion_folding.py, and trained
+with by test_multidevice.py's fp8 meshes (the trainer's parts, several updates).
+
 The runs of these modules read the bundled C4 sample as bytes (`bytes_tokenizer`: 257 ids, a 384-row
 embedding and LM head instead of GPT-2's 50,304): the vocabulary's size is not what they test, and at
 GPT-2's it is most of each run's time and of each checkpoint's 77 MB. The module fixture
@@ -20,6 +26,7 @@ runs of the same programs load them from the shared compilation cache.
 
 import contextlib
 import fcntl
+import json
 import os
 import pathlib
 import pickle
@@ -39,6 +46,7 @@ COMPARED = ("step", "loss", "grad_norm", "lr", "eval_loss", "tokens")
 
 TINY_OVERRIDES = {
     "recipe": "fp8_delayed",
+    "fp8_divide": "xla",
     "model.remat": "none",
     "seq_len": 32,
     "global_batch": 8,
@@ -191,16 +199,36 @@ def compilation_cache(xla_cache):
         yield
 
 
+def record_dispatch_and_fetch(monkeypatch) -> list[str]:
+    """Records the trainer's dispatches ("d3": update 3 dispatched) and fetches ("f3") as they happen."""
+    events, dispatch, fetch = [], trainer._dispatch, trainer._fetch
+
+    def recorded_dispatch(run, step, batch):
+        events.append(f"d{step}")
+        return dispatch(run, step, batch)
+
+    def recorded_fetch(run, step, device_metrics, timer):
+        events.append(f"f{step}")
+        return fetch(run, step, device_metrics, timer)
+
+    monkeypatch.setattr(trainer, "_dispatch", recorded_dispatch)
+    monkeypatch.setattr(trainer, "_fetch", recorded_fetch)
+    return events
+
+
 @pytest.fixture(scope="session")
 def good_run_result(tmp_path_factory, token_cache, xla_cache):
     """One finished tiny run (checkpoints 2, 4, 6; an evaluation at 4) and the summary train() returned,
     shared: tests read the run or copy it, never change it. (Session-scoped fixtures are set up before
-    module-scoped ones: it applies the tiny runs' settings itself.)"""
+    module-scoped ones: it applies the tiny runs' settings itself.) The order of its dispatches and fetches
+    is kept too (good_run_events)."""
     with once_per_session(tmp_path_factory, "good_run") as root:  # one worker trains, the others read it
         workdir, returned = root / "run", root / "returned.pickle"
         if not returned.exists():
-            with tiny_run_settings(xla_cache):
+            with tiny_run_settings(xla_cache), pytest.MonkeyPatch.context() as mp:
+                events = record_dispatch_and_fetch(mp)
                 summary = trainer.train(tiny_config(token_cache), str(workdir))
+            (root / "events.json").write_text(json.dumps(events))
             returned.write_bytes(pickle.dumps(summary))  # what train() returned, not its summary.json
     return workdir, pickle.loads(returned.read_bytes())
 
@@ -208,3 +236,9 @@ def good_run_result(tmp_path_factory, token_cache, xla_cache):
 @pytest.fixture(scope="session")
 def good_run(good_run_result):
     return good_run_result[0]
+
+
+@pytest.fixture(scope="session")
+def good_run_events(good_run_result):
+    """The good run's dispatches and fetches in the order they happened (record_dispatch_and_fetch)."""
+    return json.loads((good_run_result[0].parent / "events.json").read_text())
