@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp4jax.ops import NnxQuantDotGeneral, QuantDotGeneral, make_dot_general, mx_dot_general
+from fp4jax.ops import NnxQuantDotGeneral, QuantDotGeneral, get_recipe, make_dot_general, mx_dot_general
 
 D_IN, HIDDEN, D_OUT, BATCH, STEPS, LR = 64, 128, 16, 64, 30, 1e-2
 PRESETS_TO_TRAIN = ["bf16", "fp8", "mxfp4_full_h16", "mxfp4_full_sr"]
@@ -108,6 +108,29 @@ def test_linen_sr_needs_and_uses_the_quant_rng():
     g1, g1b, g2 = (jax.tree.leaves(grad_fn(jax.random.key(seed))) for seed in (1, 1, 2))
     assert all(np.array_equal(a, b) for a, b in zip(g1, g1b, strict=True))
     assert any(not np.array_equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+def test_linen_init_creates_the_variables_without_tracing_a_quantizer(monkeypatch):
+    """init needs shapes only: the amax histories are created, the parameters are the unquantized model's,
+    and no quantized GEMM is traced (bind_recipe is never called); apply then quantizes."""
+    from fp4jax.ops import flax_adapters
+
+    def no_quantizer(*args, **kwargs):
+        raise AssertionError("init traced a quantized GEMM")
+
+    x, _ = _task()
+    plain = LinenMLP("bf16").init(jax.random.key(0), x[:2])
+    with monkeypatch.context() as patch:
+        patch.setattr(flax_adapters, "bind_recipe", no_quantizer)
+        out, variables = LinenMLP("fp8_delayed").init_with_output(jax.random.key(0), x[:2])
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), variables["params"], plain["params"])
+    assert all(jax.tree.leaves(same))
+    histories = jax.tree.leaves(variables["fp8_meta"])
+    length = get_recipe("fp8_delayed").fp8_amax_history_len
+    assert len(histories) == 6 and all(h.shape == (length,) and not h.any() for h in histories)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(LinenMLP("bf16").apply(plain, x[:2])))
+    quantized = LinenMLP("fp8_delayed").apply(variables, x[:2], mutable=["fp8_meta"])[0]
+    assert not np.array_equal(np.asarray(quantized), np.asarray(out))
 
 
 def test_linen_dense_with_make_dot_general():

@@ -45,6 +45,10 @@ class QuantDotGeneral(nn.Module):
     Delayed FP8: the amax histories live in the "fp8_meta" collection and are updated by
     overwrite-with-gradient: differentiate the loss w.r.t. fp8_meta too and replace fp8_meta by its
     cotangent. Each adapter must be called once per differentiated step for that to hold.
+
+    Initialisation (`init`, `init_with_output`) creates the variables and returns lax.dot_general's
+    unquantized product: init needs only shapes, and tracing the quantizers there would double the
+    model's start-up compile for nothing. The parameters do not depend on it; `apply` always quantizes.
     """
 
     recipe: str | Recipe = "bf16"
@@ -55,7 +59,10 @@ class QuantDotGeneral(nn.Module):
     def __call__(self, lhs, rhs, *args, **kwargs):
         """lax.dot_general's signature: (lhs, rhs, dimension_numbers, precision, preferred_element_type)."""
         recipe = get_recipe(self.recipe)
-        dot_general = bind_recipe(recipe, key=self._key(recipe), fp8_meta=self._fp8_meta(recipe))
+        fp8_meta = self._fp8_meta(recipe)
+        if self.is_initializing():
+            return jax.lax.dot_general(lhs, rhs, *args, **kwargs)
+        dot_general = bind_recipe(recipe, key=self._key(recipe), fp8_meta=fp8_meta)
         return dot_general(lhs, rhs, *args, **kwargs)
 
     def _key(self, recipe: Recipe):
@@ -63,8 +70,6 @@ class QuantDotGeneral(nn.Module):
             return None
         if self.has_rng(self.rng_collection):
             return self.make_rng(self.rng_collection)
-        if self.is_initializing():
-            return jax.random.key(0)  # init only needs shapes
         raise ValueError(
             f"recipe {recipe.name!r} needs randomness: pass rngs={{'{self.rng_collection}': key}} to apply "
             "(fold the step into the key)"
