@@ -102,7 +102,7 @@ from fp4jax.ops.execution import resolve_execution  # noqa: E402
 from fp4jax.ops.flax_adapters import QuantDotGeneral  # noqa: E402
 from fp4jax.ops.quantize import quantize_mx  # noqa: E402
 from fp4jax.ops.quantized_dot import bind_recipe  # noqa: E402
-from fp4jax.ops.recipes import MXFP4, PRESETS, GemmSpec, Recipe, resolve_recipe  # noqa: E402
+from fp4jax.ops.recipes import MXFP4, PRESETS, GemmSpec, Recipe  # noqa: E402
 from fp4jax.training import setup  # noqa: E402
 from fp4jax.training.optimizer import make_optimizer  # noqa: E402
 from fp4jax.training.state import TrainState, token_losses, train_step  # noqa: E402
@@ -245,8 +245,7 @@ def ceil_recipe() -> Recipe:
 def fp4jax_variant(name: str, config, base) -> Variant:
     """A preset under the config's fp8_scaling, sr_rng and fp8_divide (as the trainer resolves it), or the
     ceil twin of qwix."""
-    modes = (config.get(key, "preset") for key in ("fp8_scaling", "sr_rng", "fp8_divide"))
-    recipe = ceil_recipe() if name == CEIL_RECIPE_NAME else resolve_recipe(name, *modes)
+    recipe = ceil_recipe() if name == CEIL_RECIPE_NAME else setup.run_recipe(config, name)
     recipe, execution = resolve_execution(recipe)
     model = base.clone(recipe=recipe)
     numerics = f"back end {execution.backend}; quantizer {execution.quantizer_runs}"

@@ -298,12 +298,13 @@ def execution_overrides(environ=None) -> dict[str, str]:
     return overrides
 
 
-def run_recipe(config):
-    """The Recipe the config trains with: its preset under its fp8_scaling (so the FP8 stages of every
-    rung scale alike), sr_rng and fp8_divide; "preset" where a config predates a key."""
+def run_recipe(config, recipe: str | None = None):
+    """The Recipe the config trains with: its preset (or the preset named `recipe`) under its fp8_scaling
+    (so the FP8 stages of every rung scale alike), sr_rng and fp8_divide; "preset" where a config
+    predates a key."""
     modes = (config.get(key, "preset") for key in ("fp8_scaling", "sr_rng", "fp8_divide"))
     with config_values():
-        return resolve_recipe(config.recipe, *modes)
+        return resolve_recipe(recipe or config.recipe, *modes)
 
 
 def resolve_run_execution(config, environ=None):
