@@ -49,11 +49,18 @@ def _float(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.floating)
 
 
+def _cuda_branch(platforms) -> int:
+    """The branch lax.platform_dependent lowers for CUDA: the one naming it, else the default (None)."""
+    named = [i for i, names in enumerate(platforms) if names is not None and "cuda" in names]
+    return named[0] if named else platforms.index(None)
+
+
 def _evaluate(jaxpr, consts, args, sources, fold: bool, divide=None):
     """Runs jaxpr op by op. `sources` maps a variable made by a float conversion to the value it was
     converted from (through layout ops); with fold, a float conversion of such a variable converts
     that source instead, which is what XLA:GPU compiles. `divide`, if given, replaces every float32
-    divide (a model of XLA:GPU's div.full.f32, which is not IEEE)."""
+    divide (a model of XLA:GPU's div.full.f32, which is not IEEE). A platform-dependent choice
+    (`lax.platform_dependent`) takes the CUDA branch: the program evaluated is the one a GPU compiles."""
     env, source = dict(zip(jaxpr.constvars, consts, strict=True)), {}
     for var, arg, src in zip(jaxpr.invars, args, sources, strict=True):
         env[var] = arg
@@ -73,6 +80,14 @@ def _evaluate(jaxpr, consts, args, sources, fold: bool, divide=None):
             operand = srcs[0] if fold and srcs[0] is not None else vals[0]
             env[out] = eqn.primitive.bind(operand, **eqn.params)
             source[out] = srcs[0] if srcs[0] is not None else vals[0]
+            continue
+        if name == "platform_index":
+            env[eqn.outvars[0]] = _cuda_branch(eqn.params["platforms"])
+            continue
+        if name == "cond" and isinstance(vals[0], int):  # the index a platform_index gave
+            branch = eqn.params["branches"][vals[0]]
+            outs = _evaluate(branch.jaxpr, branch.consts, vals[1:], srcs[1:], fold, divide)
+            env.update(zip(eqn.outvars, outs, strict=True))
             continue
         if name in _LAYOUT_OPS and srcs[0] is not None:
             env[eqn.outvars[0]] = eqn.primitive.bind(*vals, **eqn.params)

@@ -1,18 +1,23 @@
 """formats.divide_nearest_even against IEEE division in flush-to-zero mode: numpy's float32 divide (IEEE on
 CPUs) of the inputs with subnormals flushed to zero, its subnormal results flushed to zero.
 
-The function exists because XLA:GPU's float32 divide is not IEEE; on a GPU this file is the check that
-the corrected estimate gives IEEE's bits there too. Second reference: the quotient in float64 rounded
+The function exists because XLA:GPU's float32 divide is not IEEE. It lowers XLA:CPU's own divide on a CPU
+and the integer-corrected estimate (`divide_nearest_even_by_integers`) elsewhere; every check here runs
+both programs, so a CPU run proves the integer program and the CPU's divide equal, and a GPU run proves
+the integer program there. Second reference: the quotient in float64 rounded
 to float32 (double rounding is harmless for division when 53 >= 2 * 24 + 2).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax.ops.formats import divide_nearest_even
+from fp4jax.ops.formats import divide_nearest_even, divide_nearest_even_by_integers
+
+_CANONICAL_NAN = 0x7FC00000
 
 
 def _flush(v):
@@ -34,11 +39,13 @@ def _ieee(a, b):
 def _assert_ieee(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     want = _ieee(a, b)
-    for got in (jax.jit(divide_nearest_even)(a, b), divide_nearest_even(a, b)):
+    divides = (divide_nearest_even, divide_nearest_even_by_integers)
+    for got in [jax.jit(f)(a, b) for f in divides] + [f(a, b) for f in divides]:
         got = np.asarray(got)
         assert got.dtype == np.float32
         nan = np.isnan(want)
         assert np.array_equal(np.isnan(got), nan)
+        assert np.all(got[nan].view(np.uint32) == _CANONICAL_NAN)
         differ = np.flatnonzero(got[~nan].view(np.uint32) != want[~nan].view(np.uint32))
         assert differ.size == 0, (
             f"{differ.size} quotients differ; first {a[~nan][differ[0]]!r} / {b[~nan][differ[0]]!r}: "
@@ -84,6 +91,23 @@ def test_quotients_just_below_the_normal_range():
     assert got.tolist() == [0x00800000, 0, 0x00800000, 0]
 
 
+def test_quotients_on_either_side_of_the_round_up_to_the_normal_range():
+    """Exact quotients a few ulps either side of (2^24 - 1) * 2^-150, the least that IEEE rounds up to
+    2^-126, most of them not representable: those at or above it give 2^-126, those below zero (the CPU's
+    own divide flushes all of them; the CPU program must tell them apart exactly)."""
+    rng = np.random.default_rng(3)
+    b = rng.integers(2**23, 2**24, 4096).astype(np.float32) * np.float32(2.0**20)
+    edge = (2**24 - 1) * 2.0**-150 * b.astype(np.float64)  # rounding it to float32 moves it either way
+    a = np.concatenate(
+        [np.nextafter(edge.astype(np.float32), np.float32(k)) for k in (-1, 1)] + [edge.astype(np.float32)]
+    )
+    b = np.tile(b, 3)
+    _assert_ieee(a, b)
+    _assert_ieee(-a, b)
+    got = np.asarray(divide_nearest_even(a, b))
+    assert 0 < np.count_nonzero(got) < got.size  # both sides of the edge were drawn
+
+
 def test_the_quantizers_quotients():
     """What NVFP4 divides: 2688 / amax, 1 / S_enc and 1 / (s_b * S_dec), on integers as reciprocals."""
     rng = np.random.default_rng(1)
@@ -103,6 +127,23 @@ def test_broadcasts_like_a_divide():
     got = divide_nearest_even(np.float32(1.0), np.float32([[3.0], [7.0]]))
     assert got.shape == (2, 1)
     _assert_ieee(np.ones((2, 1), np.float32), np.float32([[3.0], [7.0]]))
+
+
+@pytest.mark.parametrize("divide", [divide_nearest_even, divide_nearest_even_by_integers])
+def test_dividing_by_a_broadcast_value_stays_a_divide(divide):
+    """XLA:CPU turns x / broadcast(d) into x * (1 / d), which is not IEEE's quotient (half a million of a
+    million such quotients differ for d = 6): a constant, a traced scalar and a row-broadcast column."""
+    rng = np.random.default_rng(5)
+    x = _magnitudes(rng, 1 << 16, -100, 100).reshape(256, 256)
+    d = np.float32(7.0)
+    cases = {
+        "constant": (jax.jit(lambda x: divide(x, jnp.float32(7.0)))(x), _ieee(x, np.full_like(x, d))),
+        "scalar": (jax.jit(divide)(x, d), _ieee(x, np.full_like(x, d))),
+        "row": (jax.jit(lambda x: divide(x, x[:, :1]))(x), _ieee(x, np.broadcast_to(x[:, :1], x.shape))),
+    }
+    for what, (got, want) in cases.items():
+        got = np.asarray(got)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), what
 
 
 _NEEDS_THE_LAST_STEP = [
@@ -131,10 +172,24 @@ def test_a_divide_off_by_two_ulps_changes_nothing(ulps):
     # for the rule at the edge of the normal range, which reads the exact significand.)
     pairs = np.float32(_NEEDS_THE_LAST_STEP) * np.float32(2.0**-23)
     a, b = np.concatenate([a, pairs[:, 0]]), np.concatenate([b, pairs[:, 1]])
-    closed = jax.make_jaxpr(divide_nearest_even)(a, b)
+    closed = jax.make_jaxpr(divide_nearest_even_by_integers)(a, b)
     assert any(e.primitive.name == "div" for e in closed.jaxpr.eqns)  # the estimate's divide is there
-    got = np.asarray(_evaluated(divide_nearest_even, a, b, divide=divide_off_by(ulps))[0])
+    got = np.asarray(_evaluated(divide_nearest_even_by_integers, a, b, divide=divide_off_by(ulps))[0])
     want = _ieee(a, b)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_the_cpu_lowers_its_own_divide_and_other_platforms_the_integer_program():
+    """The platform choice is made at lowering: a CPU program holds one float divide and no integer
+    arithmetic, a CUDA or ROCm program the integer correction (lowering needs no such device here)."""
+    a = jax.ShapeDtypeStruct((8,), np.float32)
+
+    def lowered(platform):
+        return jax.jit(divide_nearest_even).trace(a, a).lower(lowering_platforms=(platform,)).as_text()
+
+    cpu = lowered("cpu")
+    assert cpu.count("stablehlo.divide") == 2 and "stablehlo.shift" not in cpu  # the quotient and its check
+    for platform in ("cuda", "rocm"):
+        assert "stablehlo.shift_right_logical" in lowered(platform) or "stablehlo.shift" in lowered(platform)

@@ -3,8 +3,8 @@
 
 MXFP6 E2M3's full rung runs in the default lane; NVIDIA's NVFP4 recipe (its final block in BF16, the
 model's `bf16_last_blocks`, how the recipe keeps its last layers in high precision) and the other
-formats' full rungs (NVFP4, MXFP6 E3M2, MXFP8) in the long lane: NVFP4's exact scale quotients
-(formats.divide_nearest_even) make its step compile in about 17 s on the CPU, against 3 s for MXFP6.
+formats' full rungs (NVFP4, MXFP6 E3M2, MXFP8) in the long lane: a tiny NVFP4 full run takes about
+22 s on the CPU, an MXFP6 one 9 s (2026-12-07).
 The newer recipes (docs/numerics.md, "Recipes of the literature"): qwix's OAS on the full rung in the
 default lane (an MX step compiles in seconds); Four-over-Six, Quartet II, the MLPerf MI355X recipe and
 NVIDIA's NVFP4 recipe with its BF16 blocks (the 8B preset's last four, the 12B preset's first two and

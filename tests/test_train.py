@@ -29,7 +29,6 @@ from tiny_runs import (
 
 from fp4jax.models.sharding import MESH_AXES, make_mesh, sharding_context
 from fp4jax.ops import get_recipe
-from fp4jax.ops.recipes import with_fp8_divide
 from fp4jax.train import train
 from fp4jax.training import checkpoint, integrity, metrics, setup
 from fp4jax.training import summary as summaries
@@ -440,8 +439,7 @@ def test_diagnostics_probe_and_profiler_switch(tmp_path, token_cache, monkeypatc
     overrides = {"diagnostics.every": 2, "profile.start_step": 3, "profile.num_steps": 2}
     train(tiny_config(token_cache, **overrides), str(tmp_path))
     records = [r for r in read_metrics(str(tmp_path)) if "eval_loss" not in r]
-    # the recipe the run trains with: the preset as defined, but for the tiny runs' FP8 divide (tiny_runs.py)
-    assert calls == [with_fp8_divide(get_recipe("fp8_delayed"), "xla")]
+    assert calls == [get_recipe("fp8_delayed")]  # the recipe the run trains with
     assert [r["step"] for r in records if "diag/rows" in r] == [2, 4, 6]
     assert all(r["diag/rows"] == 8 and r["diag_time_s"] > 0 for r in records if "diag/rows" in r)
     files = [f for _, _, names in os.walk(tmp_path / "profile") for f in names]

@@ -4,12 +4,6 @@ The tiny_c4 set-up (configs/tiny_c4_h16.py) shrunk: recipe fp8_delayed (its amax
 that must survive a resume), 32-token sequences, batch 8, a handful of steps. Runs of one program (new jit
 objects each) compile once through a persistent XLA cache, the CLI subprocesses too.
 
-Their FP8 scales divide with the back end's own divide (fp8_divide "xla"), not the presets' IEEE quotient:
-how a scale is divided is not what these runs test, and the exact quotient doubles each run's tracing and
-compiling (a tiny run 7.5 -> 15.4 s, one whose programs are cached 3.2 -> 7.8 s, 2026-12-07). The IEEE
-divide is tested by tests/test_quantize.py, test_recipes.py and test_conversion_folding.py, and trained
-with by test_multidevice.py's fp8 meshes (the trainer's parts, several updates).
-
 The runs of these modules read the bundled C4 sample as bytes (`bytes_tokenizer`: 257 ids, a 384-row
 embedding and LM head instead of GPT-2's 50,304): the vocabulary's size is not what they test, and at
 GPT-2's it is most of each run's time and of each checkpoint's 77 MB. The module fixture
@@ -46,7 +40,6 @@ COMPARED = ("step", "loss", "grad_norm", "lr", "eval_loss", "tokens")
 
 TINY_OVERRIDES = {
     "recipe": "fp8_delayed",
-    "fp8_divide": "xla",
     "model.remat": "none",
     "seq_len": 32,
     "global_batch": 8,

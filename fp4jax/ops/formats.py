@@ -45,6 +45,7 @@ __all__ = [
     "SCALE_NAN_BITS",
     "ElemFormat",
     "divide_nearest_even",
+    "divide_nearest_even_by_integers",
     "f32_bits",
     "f32_from_bits",
     "float8_to_float32",
@@ -65,6 +66,7 @@ F32_ABS_MASK = 0x7FFFFFFF
 F32_SIGN_MASK = -0x80000000  # 0x80000000 as an int32
 F32_INF_BITS = 0x7F800000
 F32_MIN_NORMAL_BITS = 0x00800000  # 2^-126, the smallest normal float32
+_F32_CANONICAL_NAN_BITS = 0x7FC00000  # the quiet NaN divide_nearest_even returns for every NaN
 
 
 def f32_bits(x: jax.Array) -> jax.Array:
@@ -178,16 +180,52 @@ def float8_to_float32(x: jax.Array) -> jax.Array:
 
 def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """numerator / denominator in float32 as IEEE 754 rounds it (to nearest even) in flush-to-zero mode:
-    subnormal inputs count as zero and subnormal results become a zero of their sign. The same bits on
-    every back end.
+    subnormal inputs count as zero and subnormal results become a zero of their sign; zeros, infinities
+    and NaNs follow IEEE's table, every NaN as 0x7FC00000. The same bits on every back end. Both arguments
+    float32 and broadcastable.
 
-    Why: XLA:GPU lowers a float32 divide to PTX's div.full.f32 (up to 2 ulp from IEEE), XLA:CPU to an
-    IEEE one, so a quantizer whose scales are quotients (NVFP4's) would differ between them. Here the
-    quotient's binade comes from comparing the significands; its 24 significant bits are estimated with
-    the back end's divide and corrected with the exact integer remainder (computed modulo 2^32, exact
+    Why two programs: XLA:GPU lowers a float32 divide to PTX's div.full.f32 (up to 2 ulp from IEEE), so
+    GPUs (and any back end but the CPU) take `divide_nearest_even_by_integers`. XLA:CPU's own divide is
+    IEEE's in flush-to-zero mode already (tests/test_exact_division.py holds the two equal), and lowering
+    only it there keeps the CPU's programs small: the integer program is about 60 operations per divide.
+    The choice is made when the program is lowered for its platform (`lax.platform_dependent`).
+    """
+    a = jnp.asarray(numerator, jnp.float32)
+    b = jnp.asarray(denominator, jnp.float32)
+    return lax.platform_dependent(a, b, cpu=_cpu_divide, default=divide_nearest_even_by_integers)
+
+
+def _cpu_divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """XLA:CPU's IEEE divide (flush-to-zero is its arithmetic mode), NaNs made the one canonical NaN.
+
+    Where the hardware's flush differs from IEEE's rounding followed by a flush: x86 flushes a quotient
+    below 2^-126 before rounding it, so one that IEEE rounds up to 2^-126 (exact value at least
+    (2^24 - 1) * 2^-150, the tie at 2^-149's spacing, which goes to the even 2^-126) comes out zero. Such
+    a quotient means |a| < 4, so A = |a| * 2^64 is exact and A / |b| rounds in the normal range: above
+    T = (2^24 - 1) * 2^-86 it is 2^-62 and the quotient is 2^-126; equal to T it is decided exactly by
+    A - |b| * 2^-62 >= -|b| * 2^-86 (a difference Sterbenz's lemma makes exact, |b| >= 1 there).
+    """
+    # XLA:CPU rewrites a divide by a broadcast value (a constant or a scalar) as a multiply by its
+    # reciprocal, which is not IEEE's quotient: the barrier hides the broadcast from that rewrite.
+    a, b = lax.optimization_barrier(jnp.broadcast_arrays(a, b))
+    quotient = a / b
+    numerator, denominator = jnp.abs(a) * jnp.float32(2.0**64), jnp.abs(b)
+    scaled = numerator / denominator
+    at_threshold = scaled == jnp.float32((2**24 - 1) * 2.0**-86)
+    reaches = numerator - denominator * jnp.float32(2.0**-62) >= -(denominator * jnp.float32(2.0**-86))
+    rounds_to_normal = (scaled == jnp.float32(2.0**-62)) | (at_threshold & reaches)
+    least_normal = jnp.where((a < 0) != (b < 0), jnp.float32(-(2.0**-126)), jnp.float32(2.0**-126))
+    quotient = jnp.where(rounds_to_normal, least_normal, quotient)
+    return jnp.where(jnp.isnan(quotient), f32_from_bits(jnp.int32(_F32_CANONICAL_NAN_BITS)), quotient)
+
+
+def divide_nearest_even_by_integers(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """`divide_nearest_even`'s bits on any back end, from the back end's divide as an estimate only.
+
+    The quotient's binade comes from comparing the significands; its 24 significant bits are estimated
+    with the back end's divide and corrected with the exact integer remainder (computed modulo 2^32, exact
     because it is small), then rounded once. Flush-to-zero is XLA:CPU's own arithmetic and costs less
-    code than gradual underflow; zeros, infinities and NaNs follow IEEE's table (NaN as 0x7FC00000).
-    Both arguments float32 and broadcastable.
+    code than gradual underflow.
     """
     a = jnp.asarray(numerator, jnp.float32)
     b = jnp.asarray(denominator, jnp.float32)
@@ -234,5 +272,5 @@ def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Arr
     magnitude_bits = jnp.where(a_inf | b_zero, F32_INF_BITS, magnitude_bits)
     magnitude_bits = jnp.where(a_zero | b_inf, 0, magnitude_bits)
     sign = (a_bits ^ b_bits) & F32_SIGN_MASK
-    bits = jnp.where(nan, 0x7FC00000, magnitude_bits | sign)
+    bits = jnp.where(nan, _F32_CANONICAL_NAN_BITS, magnitude_bits | sign)
     return f32_from_bits(bits)
