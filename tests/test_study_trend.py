@@ -66,6 +66,27 @@ def test_entries_come_from_the_claims_reports_and_a_missing_one_is_not_run(tmp_p
     )
 
 
+def test_a_setting_is_interim_only_while_an_arm_its_measures_read_is_unsettled(tmp_path):
+    """A report is interim while any planned cell is pending; its share and recovery are interim only while
+    one of their arms is (a design's later arms, pending, leave them measured)."""
+
+    def status(pending, missing=()):
+        share = {**_fieller(0.3, 0.1, 0.5), "arms": ["fp8", "full", "wgrad"]}
+        recovery = {**_fieller(0.5, 0.2, 0.8), "arms": ["fp8", "full", "full_h16"]}
+        claims = {"interim": bool(pending or missing), "cells_pending": pending,
+                  "arms_missing": list(missing), "wgrad_share": share, "h16_recovery": recovery}  # fmt: skip
+        path = tmp_path / "claims.json"
+        path.write_text(json.dumps(claims))
+        setting = trend.Setting("s", 150_000_000, 32768, str(path), "a.toml")
+        return trend.trend([setting], {})["settings"][0]["status"]
+
+    assert status([]) == "measured"
+    assert status(["nvfp4/seed0", "tseng/seed1"], missing=["quartet"]) == "measured"
+    assert status(["wgrad/seed1"]) == "interim"
+    assert status(["full_h16/seed0"]) == "interim"
+    assert status([], missing=["fp8"]) == "interim"
+
+
 def test_a_bad_settings_file_is_one_line_naming_the_fix(tmp_path):
     path = tmp_path / "trend.toml"
     path.write_text('[[settings]]\nlabel = "x"\nparams = 1\n')

@@ -315,8 +315,8 @@ def _decision(row: dict) -> tuple[bool, bool]:
 
 def _ratio(fit: stats.AdditiveFit, table, num: dict, den: dict) -> dict | None:
     """num / den of two contrasts with Fieller's interval from the pooled fit and, under "paired", from the
-    blocks where every arm of either ended (None with fewer than 2); None when an arm is missing or the fit
-    has no residual df."""
+    blocks where every arm of either ended (None with fewer than 2), and the arms it reads under "arms";
+    None when an arm is missing or the fit has no residual df."""
     y, arms, blocks = table
     needed = sorted(set(num) | set(den))
     if not set(needed) <= set(fit.arms) or fit.df == 0:
@@ -328,7 +328,7 @@ def _ratio(fit: stats.AdditiveFit, table, num: dict, den: dict) -> dict | None:
     paired = None
     if complete.sum() >= 2:
         paired = stats.paired_ratio(stats.block_values(*sub, num)[0], stats.block_values(*sub, den)[0])
-    return {**ratio, "paired": paired}
+    return {**ratio, "paired": paired, "arms": needed}
 
 
 def _wgrad_share(fit: stats.AdditiveFit, table, h: Hypotheses) -> dict | None:

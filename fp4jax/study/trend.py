@@ -102,8 +102,18 @@ def _entry(setting: Setting) -> dict:
         return {**entry, "status": "not run", **{m: None for m in MEASURES}}
     with open(setting.claims, encoding="utf-8") as f:
         claims = json.load(f)
-    status = "interim" if claims.get("interim") else "measured"
-    return {**entry, "status": status, **{m: _interval(claims.get(m)) for m in MEASURES}}
+    return {**entry, "status": _status(claims), **{m: _interval(claims.get(m)) for m in MEASURES}}
+
+
+def _status(claims: dict) -> str:
+    """Interim while an arm the measures read has a planned run missing or pending (the report's other
+    arms, such as a design's later additions, do not make its share interim), else "measured"."""
+    measures = [claims[m] for m in MEASURES if claims.get(m) is not None]
+    if not measures or any("arms" not in m for m in measures):
+        return "interim" if claims.get("interim") else "measured"
+    pending = {cell.split("/")[0] for cell in claims.get("cells_pending", [])}
+    unsettled = set(claims.get("arms_missing", [])) | pending
+    return "interim" if any(unsettled & set(m["arms"]) for m in measures) else "measured"
 
 
 def decide(entries: list[dict], share_at_8b: float) -> dict:
@@ -163,7 +173,7 @@ def to_markdown(result: dict) -> str:
     lines = [
         "Wgrad's share of full MXFP4's cost, C1 / (full - fp8), and H16's recovery, (full - full_h16) / "
         "(full - fp8), per setting: pooled Fieller 95 % intervals, the paired-t ones beside them; "
-        "interim: the setting's report still has planned runs pending.",
+        "interim: an arm the measures read still has planned runs pending.",
         "",
         "| setting | parameters | tokens / step | status | Wgrad's share | H16's recovery |",
         "|---|---:|---:|---|---|---|",
