@@ -71,7 +71,7 @@ def test_a_setting_is_interim_only_while_an_arm_its_measures_read_is_unsettled(t
     one of their arms is (a design's later arms, pending, leave them measured)."""
 
     def status(pending, missing=()):
-        share = {**_fieller(0.3, 0.1, 0.5), "arms": ["fp8", "full", "wgrad"]}
+        share = {**_fieller(0.3, 0.1, 0.5), "arms": ["fp8", "fprop_dgrad", "full"]}
         recovery = {**_fieller(0.5, 0.2, 0.8), "arms": ["fp8", "full", "full_h16"]}
         claims = {"interim": bool(pending or missing), "cells_pending": pending,
                   "arms_missing": list(missing), "wgrad_share": share, "h16_recovery": recovery}  # fmt: skip
@@ -82,7 +82,7 @@ def test_a_setting_is_interim_only_while_an_arm_its_measures_read_is_unsettled(t
 
     assert status([]) == "measured"
     assert status(["nvfp4/seed0", "tseng/seed1"], missing=["quartet"]) == "measured"
-    assert status(["wgrad/seed1"]) == "interim"
+    assert status(["fprop_dgrad/seed1"]) == "interim"
     assert status(["full_h16/seed0"]) == "interim"
     assert status([], missing=["fp8"]) == "interim"
 
