@@ -49,6 +49,7 @@ __all__ = [
     "f32_bits",
     "f32_from_bits",
     "float8_to_float32",
+    "flush_subnormal",
     "get_elem_format",
     "require_power_of_two",
 ]
@@ -207,8 +208,10 @@ def _cpu_divide(a: jax.Array, b: jax.Array) -> jax.Array:
     """
     # XLA:CPU rewrites a divide by a broadcast value (a constant or a scalar) as a multiply by its
     # reciprocal, which is not IEEE's quotient: the barrier hides the broadcast from that rewrite.
-    a, b = lax.optimization_barrier(jnp.broadcast_arrays(a, b))
-    quotient = a / b
+    # Subnormals are flushed here as well as by the CPU's arithmetic mode, so that the bits do not
+    # depend on that mode.
+    a, b = lax.optimization_barrier(jnp.broadcast_arrays(flush_subnormal(a), flush_subnormal(b)))
+    quotient = flush_subnormal(a / b)
     numerator, denominator = jnp.abs(a) * jnp.float32(2.0**64), jnp.abs(b)
     scaled = numerator / denominator
     at_threshold = scaled == jnp.float32((2**24 - 1) * 2.0**-86)
@@ -217,6 +220,14 @@ def _cpu_divide(a: jax.Array, b: jax.Array) -> jax.Array:
     least_normal = jnp.where((a < 0) != (b < 0), jnp.float32(-(2.0**-126)), jnp.float32(2.0**-126))
     quotient = jnp.where(rounds_to_normal, least_normal, quotient)
     return jnp.where(jnp.isnan(quotient), f32_from_bits(jnp.int32(_F32_CANONICAL_NAN_BITS)), quotient)
+
+
+def flush_subnormal(v: jax.Array) -> jax.Array:
+    """v with float32 subnormals replaced by a zero of their sign (what flush-to-zero does, made explicit;
+    read from the bits, so whatever the back end's arithmetic mode)."""
+    bits = f32_bits(v)
+    signed_zero = f32_from_bits(bits & F32_SIGN_MASK)
+    return jnp.where((bits & F32_ABS_MASK) < F32_MIN_NORMAL_BITS, signed_zero, v)
 
 
 def divide_nearest_even_by_integers(numerator: jax.Array, denominator: jax.Array) -> jax.Array:

@@ -29,8 +29,8 @@ import numpy as np
 from jax import lax
 
 from fp4jax.ops import formats
-from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, f32_bits
-from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4Array, as_nvfp4_array, flush_subnormal
+from fp4jax.ops.formats import F32_ABS_MASK, F32_INF_BITS, f32_bits, flush_subnormal
+from fp4jax.ops.nvfp4 import NVFP4_BLOCK_SIZE, NVFP4Array, as_nvfp4_array
 from fp4jax.ops.quantize import round_to_grid, stochastic_bits
 
 __all__ = ["MS_EDEN_GROUP", "MS_EDEN_SCALE_MAX", "MS_EDEN_VAL_MAX", "quantize_ms_eden"]

@@ -38,10 +38,8 @@ from fp4jax.ops import formats
 from fp4jax.ops.formats import (
     F32_ABS_MASK,
     F32_INF_BITS,
-    F32_MIN_NORMAL_BITS,
-    F32_SIGN_MASK,
     f32_bits,
-    f32_from_bits,
+    flush_subnormal,
     require_power_of_two,
 )
 from fp4jax.ops.quantize import round_to_grid, stochastic_bits
@@ -53,7 +51,6 @@ __all__ = [
     "NVFP4_BLOCK_SIZE",
     "NVFP4_ROUNDING_MODES",
     "as_nvfp4_array",
-    "flush_subnormal",
     "nvfp4_global_scale",
     "quantize_nvfp4",
 ]
@@ -72,13 +69,6 @@ _E4M3_NAN_BITS = 0x7F
 FOUR_OVER_SIX_ERRORS = ("mse", "mae")
 FOUR_OVER_SIX_BOUND = 256.0
 _MAP_TO_4 = 1.5
-
-
-def flush_subnormal(v: jax.Array) -> jax.Array:
-    """v with float32 subnormals replaced by a zero of their sign (what flush-to-zero does, made explicit)."""
-    bits = f32_bits(v)
-    signed_zero = f32_from_bits(bits & F32_SIGN_MASK)
-    return jnp.where((bits & F32_ABS_MASK) < F32_MIN_NORMAL_BITS, signed_zero, v)
 
 
 def nvfp4_global_scale(tensor_amax: jax.Array, e4m3_bound: float = _E4M3_MAX) -> jax.Array:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fp4jax.ops import nvfp4
-from fp4jax.ops.formats import divide_nearest_even, float8_to_float32
+from fp4jax.ops.formats import divide_nearest_even, float8_to_float32, flush_subnormal
 from fp4jax.ops.kernels import fold, probes
 from fp4jax.ops.kernels.probes import (
     BMK_BNK,
@@ -172,7 +172,7 @@ def _emulate_nvfp4(a, c, precision) -> jax.Array:
         preferred_element_type=jnp.float32,
     )
     mults = [m for m in (a_mult, c_mult) if m is not None]
-    alpha = mults[0] if len(mults) == 1 else nvfp4.flush_subnormal(mults[0] * mults[1])
+    alpha = mults[0] if len(mults) == 1 else flush_subnormal(mults[0] * mults[1])
     return out * alpha
 
 
@@ -261,7 +261,7 @@ def _native(a, c) -> jax.Array:
     if isinstance(a, nvfp4.NVFP4Array):
         # emulate's numbers: float32(sum of q s_b products, each exact) times one float32 alpha.
         out = probes.scaled_dot(a.data, c.data, _nvfp4_row_scales(a), _nvfp4_row_scales(c))
-        return out * nvfp4.flush_subnormal(a.decode_scale() * c.decode_scale())
+        return out * flush_subnormal(a.decode_scale() * c.decode_scale())
     return probes.scaled_dot(a.data, c.data, a.scale, c.scale)
 
 
