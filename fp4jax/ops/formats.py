@@ -197,7 +197,7 @@ def divide_nearest_even(numerator: jax.Array, denominator: jax.Array) -> jax.Arr
 
 
 def _cpu_divide(a: jax.Array, b: jax.Array) -> jax.Array:
-    """XLA:CPU's IEEE divide (flush-to-zero is its arithmetic mode), NaNs made the one canonical NaN.
+    """XLA:CPU's IEEE divide, subnormals flushed explicitly, NaNs made the one canonical NaN.
 
     Where the hardware's flush differs from IEEE's rounding followed by a flush: x86 flushes a quotient
     below 2^-126 before rounding it, so one that IEEE rounds up to 2^-126 (exact value at least
