@@ -842,6 +842,33 @@ def test_make_dot_general_is_a_drop_in():
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
 
 
+def test_an_eager_call_is_one_compiled_program(monkeypatch):
+    """Called outside any jit, mx_dot_general (and its gradient) runs as compiled programs that a second
+    call of the same shapes reuses, not as the quantizers' primitives dispatched one by one: the forward's
+    Python runs once for two calls, and once more for the gradient's forward pass. Inside a caller's
+    trace the passes are inlined: its jaxpr holds no nested jit, and its result is the eager one."""
+    for jitted in (quantized_dot._mx_dot_primal, quantized_dot._mx_dot_fwd, quantized_dot._mx_dot_bwd):
+        jitted.clear_cache()  # another test of this process may have compiled these shapes
+    traced = []
+    forward = quantized_dot._forward
+    monkeypatch.setattr(quantized_dot, "_forward", lambda *a: traced.append(1) or forward(*a))
+    lhs_shape, rhs_shape, dims, subs = DIMS["3d_activations"]
+    lhs, rhs, _ = _inputs(lhs_shape, rhs_shape, subs, seed=12)
+    call = functools.partial(mx_dot_general, dimension_numbers=dims, recipe="mxfp4_full_h16")
+    first = call(lhs, rhs)
+    np.testing.assert_array_equal(np.asarray(call(lhs, rhs)), np.asarray(first))
+    assert len(traced) == 1
+    loss = lambda a, b: jnp.sum(call(a, b) ** 2)  # noqa: E731
+    grads = [jax.grad(loss, argnums=(0, 1))(lhs, rhs) for _ in range(2)]
+    assert len(traced) == 2
+    np.testing.assert_array_equal(np.asarray(grads[0][1]), np.asarray(grads[1][1]))
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(lhs, rhs)), np.asarray(first))
+    eqns = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(lhs, rhs).jaxpr.eqns
+    nested = {str(e.params.get("name")) for e in eqns if "jaxpr" in e.params}  # jnp's own jits remain
+    assert any(e.primitive.name == "dot_general" for e in eqns)
+    assert not {n for n in nested if n.startswith("_mx_dot")}, nested
+
+
 # ----------------------------------------------------------------------------------------------------
 # The public module, and the precision of each GEMM's dot.
 
