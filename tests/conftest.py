@@ -128,6 +128,7 @@ import shards  # noqa: E402
 from tiny_runs import good_run, good_run_events, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
 from fp4jax import logs  # noqa: E402
+from fp4jax.ops import quantized_dot  # noqa: E402
 from fp4jax.ops.kernels import probes  # noqa: E402
 
 logs.configure()  # as the command lines do: tests read the trainer's messages on stderr
@@ -162,6 +163,16 @@ def failing_scaled_dot(monkeypatch):
     yield monkeypatch
     probes.scaled_dot_compile_error.cache_clear()
     probes.auto_choice.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _passes_traced_afresh(request):
+    """A test that monkeypatches sees its patches traced: mx_dot_general's passes are jitted, and a jit
+    reuses the trace of an earlier call with the same shapes and static arguments, also inlined into a
+    caller's jit. Their caches are cleared before each such test (the others keep them)."""
+    if "monkeypatch" in request.fixturenames:
+        for jitted in (quantized_dot._mx_dot_primal, quantized_dot._mx_dot_fwd, quantized_dot._mx_dot_bwd):
+            jitted.clear_cache()
 
 
 def pytest_collection_finish(session):
