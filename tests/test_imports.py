@@ -122,7 +122,7 @@ STUDY_LAYERS = (
     ("plan",),
     ("gate", "analysis"),
     ("reuse", "progress", "schedule"),
-    ("claims", "lr_stress", "branch_analysis", "instrument_trend"),
+    ("claims", "lr_stress", "branch_analysis", "instrument_trend", "power"),
     ("tables", "plots", "report"),
     ("trend",),
     ("scratch", "branching"),
