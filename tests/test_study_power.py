@@ -43,9 +43,9 @@ def _simulated(share, bound, noise_to_cost, trunks, draws, seed):
     [(0.29, 0.60, 0.16, 3), (0.60, 0.53, 0.10, 4), (0.45, 0.45, 0.16, 3), (0.60, 0.29, 0.25, 2)],
 )
 def test_the_exact_power_is_what_the_analysis_gives(share, bound, noise_to_cost, trunks):
-    """Each side within 4.5 binomial standard errors of 3,000 simulated sets; at share == bound the
+    """Each side within 4.5 binomial standard errors of 2,000 simulated sets; at share == bound the
     interval leaves the truth out 5 % of the time (its coverage), half of it on each side."""
-    draws = 3000
+    draws = 2000
     simulated = _simulated(share, bound, noise_to_cost, trunks, draws, seed=trunks)
     for side in power.SIDES:
         exact = power.interval_power(share, bound, noise_to_cost, trunks, side=side)
