@@ -128,7 +128,7 @@ import shards  # noqa: E402
 from tiny_runs import good_run, good_run_events, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
 from fp4jax import logs  # noqa: E402
-from fp4jax.ops import quantized_dot  # noqa: E402
+from fp4jax.ops import nvfp4, quantize, quantized_dot  # noqa: E402
 from fp4jax.ops.kernels import probes  # noqa: E402
 
 logs.configure()  # as the command lines do: tests read the trainer's messages on stderr
@@ -165,13 +165,24 @@ def failing_scaled_dot(monkeypatch):
     probes.auto_choice.cache_clear()
 
 
+# fp4jax's jitted entry points (inline=True): mx_dot_general's passes and the public quantizers.
+_JITTED = (
+    quantized_dot._mx_dot_primal,
+    quantized_dot._mx_dot_fwd,
+    quantized_dot._mx_dot_bwd,
+    quantize.quantize_mx,
+    quantize.quantize_fp8,
+    nvfp4.quantize_nvfp4,
+)
+
+
 @pytest.fixture(autouse=True)
-def _passes_traced_afresh(request):
-    """A test that monkeypatches sees its patches traced: mx_dot_general's passes are jitted, and a jit
-    reuses the trace of an earlier call with the same shapes and static arguments, also inlined into a
-    caller's jit. Their caches are cleared before each such test (the others keep them)."""
+def _traced_afresh(request):
+    """A test that monkeypatches sees its patches traced: a jit reuses the trace of an earlier call with
+    the same shapes and static arguments, also inlined into a caller's jit, so _JITTED's caches are
+    cleared before each such test (the others keep them)."""
     if "monkeypatch" in request.fixturenames:
-        for jitted in (quantized_dot._mx_dot_primal, quantized_dot._mx_dot_fwd, quantized_dot._mx_dot_bwd):
+        for jitted in _JITTED:
             jitted.clear_cache()
 
 

@@ -847,7 +847,7 @@ def test_an_eager_call_is_one_compiled_program(monkeypatch):
     call of the same shapes reuses, not as the quantizers' primitives dispatched one by one: the forward's
     Python runs once for two calls, and once more for the gradient's forward pass. Inside a caller's
     trace the passes are inlined: its jaxpr holds no nested jit, and its result is the eager one."""
-    traced = []  # the passes' caches start empty (conftest.py's _passes_traced_afresh)
+    traced = []  # the passes' caches start empty (conftest.py's _traced_afresh)
     forward = quantized_dot._forward
     monkeypatch.setattr(quantized_dot, "_forward", lambda *a: traced.append(1) or forward(*a))
     lhs_shape, rhs_shape, dims, subs = DIMS["3d_activations"]

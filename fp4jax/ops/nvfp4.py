@@ -27,6 +27,7 @@ same values; stochastic rounding draws its bits in the layout with `axis` last, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -238,6 +239,11 @@ def _four_over_six(xs, block_amax, tensor_amax, global_scale, block_2d: bool, me
     return s_b, jnp.where(pick4, q4, q6)
 
 
+@functools.partial(  # as quantize.quantize_mx: one compiled program when called eagerly
+    jax.jit,
+    static_argnames=("axis", "block_2d", "block_size", "rounding", "rng", "four_over_six"),
+    inline=True,
+)
 def quantize_nvfp4(
     x: jax.Array,
     *,
