@@ -6,8 +6,9 @@
 #
 # The N shards together run every collected test exactly once (tests/shards.py, checked by
 # tests/test_gpu_lane.py). Log: $OUT/gpu_lane_shard_K_of_N.log if OUT is set, else under ./gpu_lane_logs;
-# it ends with pytest's --durations=0 lines, from which `python tests/shards.py seconds` writes the seconds
-# file that balances the shards. --dry-run only collects the shard and lists it (any machine: the CPU
+# beside it, gpu_lane_shard_K_of_N.seconds holds each test phase's seconds as it ends (--seconds-log, so a
+# shard cut short keeps them), from which `python tests/shards.py seconds` writes the file that balances
+# the shards. --dry-run only collects the shard and lists it (any machine: the CPU
 # there where no NVIDIA GPU is). Settings: WORKERS (pytest-xdist workers, default 12), TEST_TIMEOUT
 # (seconds per test, default 300, pytest-timeout's --timeout), SHARD_TIMEOUT (seconds for the whole
 # shard, default 470, so that a cut shard still leaves its log within a 10-minute call).
@@ -41,6 +42,7 @@ export PYTHONUNBUFFERED=1
 logs="${OUT:-gpu_lane_logs}"
 mkdir -p "$logs"
 log="$logs/gpu_lane_shard_${shard/\//_of_}.log"
+seconds_log="${log%.log}.seconds"  # each phase's seconds as it ends: a shard cut short keeps its figures
 common=(-m "" -p no:cacheprovider -o addopts= --shard "$shard")
 
 if [ "$dry_run" = 1 ]; then
@@ -53,8 +55,9 @@ if ! python -c "import pytest_timeout, xdist" 2>/dev/null; then
   exit 2
 fi
 echo "gpu_lane.sh: shard $shard, JAX_PLATFORMS=$JAX_PLATFORMS, ${WORKERS:-12} workers, log $log"
+rm -f "$seconds_log"
 timeout -k 10 "${SHARD_TIMEOUT:-470}" python -m pytest "${common[@]}" -n "${WORKERS:-12}" --dist worksteal \
-  -v -rfEs --timeout "${TEST_TIMEOUT:-300}" --durations=0 --durations-min=0.05 "$@" tests >"$log" 2>&1
+  -v -rfEs --timeout "${TEST_TIMEOUT:-300}" --seconds-log "$seconds_log" "$@" tests >"$log" 2>&1
 rc=$?
 [ "$rc" = 124 ] && echo "gpu_lane.sh: shard $shard cut after ${SHARD_TIMEOUT:-470} s (SHARD_TIMEOUT)"
 grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)|Timeout" "$log" | tail -60

@@ -199,6 +199,30 @@ def pytest_addoption(parser):
         metavar="K/N",
         help="run the K-th of N shards of the collected tests (tests/shards.py; benchmarks/gpu_lane.sh)",
     )
+    parser.addoption(
+        "--seconds-log",
+        metavar="PATH",
+        help="append each test phase's seconds to PATH as it ends, in --durations=0's line format, so that "
+        "a lane cut short still leaves its figures (tests/shards.py seconds reads them)",
+    )
+
+
+class _SecondsLog:
+    """--seconds-log: one flushed line per test phase as it ends (setup, call, teardown), written by the
+    main process only (pytest-xdist's workers send it their reports)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_runtest_logreport(self, report):
+        with open(self.path, "a") as f:
+            f.write(f"{report.duration:.3f}s {report.when} {report.nodeid}\n")
+
+
+def pytest_configure(config):
+    path = config.getoption("seconds_log")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_SecondsLog(path), "fp4jax_seconds_log")
 
 
 def _keep_shard(config, items) -> None:

@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
 from fp4jax.ops import mx_dot_general
@@ -25,6 +26,16 @@ def fwd_bwd(x, w, dy, key=None, *, recipe, dims=DIMS, precision=None, pet=None, 
 
     y, vjp = jax.vjp(layer, x, w)
     return (y, *vjp(dy.astype(y.dtype)))
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr (or ClosedJaxpr), those of the jaxprs nested in its equations included
+    (jits, custom rules, Pallas kernels): where a pass lands depends on the jax version and the device."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from all_eqns(sub)
 
 
 def random_operands(seed: int, x_shape, w_shape, dy_shape, scales=(1, 1, 1), dtype=jnp.float32):

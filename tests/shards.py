@@ -13,8 +13,10 @@ round-robin by node id, about 1/N of each module to each shard). Units are taken
 shard exceeds an even share by more than its most expensive unit.
 
 The seconds come from the lane's own logs: `python tests/shards.py seconds --on "DATE, DEVICE, jax V,
-COMMIT" LOG... > tests/gpu_lane_seconds.json` reads pytest's `--durations=0` lines, which
-benchmarks/gpu_lane.sh writes. A stale file makes the shards uneven, never wrong.
+COMMIT" LOG... > tests/gpu_lane_seconds.json` reads lines in the form of pytest's `--durations=0` report:
+the `.seconds` files that benchmarks/gpu_lane.sh has the lane write as each test ends (conftest.py's
+`--seconds-log`, kept by a shard cut short), or a log with that report. A stale file makes the shards
+uneven, never wrong.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def load_seconds(path: str = SECONDS_FILE) -> dict[str, float]:
 
 
 def seconds_from_logs(lines) -> dict[str, float]:
-    """{node id: setup + call + teardown seconds} from pytest's `--durations=0` report lines."""
+    """{node id: setup + call + teardown seconds} from `--durations=0` report or `--seconds-log` lines."""
     out: dict[str, float] = {}
     for line in lines:
         match = _DURATION.match(line)
@@ -90,14 +92,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     seconds = sub.add_parser("seconds", help="the seconds file (JSON on stdout) from the lane's logs")
     seconds.add_argument("--on", required=True, help='what was measured: "date, device, jax version, commit"')
-    seconds.add_argument("logs", nargs="+", help="the shards' logs (pytest output with --durations=0)")
+    seconds.add_argument("logs", nargs="+", help="the shards' .seconds files (or logs with --durations=0)")
     args = parser.parse_args(argv)
     found: dict[str, float] = {}
     for path in args.logs:
         with open(path, errors="replace") as f:
             found.update(seconds_from_logs(f))
     if not found:
-        parser.error("no `--durations=0` lines in those logs: run the lane with benchmarks/gpu_lane.sh")
+        parser.error("no seconds lines in those files: give the .seconds files benchmarks/gpu_lane.sh writes")
     table = {k: round(v, 2) for k, v in sorted(found.items())}
     json.dump({"measured": args.on, "seconds": table}, sys.stdout, indent=0)
     print()

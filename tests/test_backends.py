@@ -9,11 +9,11 @@ import sys
 import types
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import lanes
 import numpy as np
 import pytest
+from helpers import all_eqns
 
 from fp4jax import xla_flags
 from fp4jax.ops import quantize_fp8
@@ -284,17 +284,8 @@ def test_native_takes_mxfp8_but_not_mixed_blocks():
 
 def _dot_precisions(fn, *args) -> list:
     """The `precision` of every dot_general in fn's jaxpr (nested jaxprs included)."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(eqn.params["precision"])
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    eqns = all_eqns(jax.make_jaxpr(fn)(*args))
+    return [eqn.params["precision"] for eqn in eqns if eqn.primitive.name == "dot_general"]
 
 
 def _fp8_pair():
@@ -348,6 +339,25 @@ def test_concrete_operands_decide_the_platform(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     x = jax.device_put(jnp.zeros((2,), E4M3), cpu)
     assert backends.fp8_dot_precision(x, x) is None
+
+
+@pytest.mark.parametrize("named", ["device", "platform"])
+def test_a_default_device_in_force_decides_the_platform_of_traced_operands(monkeypatch, named):
+    """Under jit the operands are tracers: a program traced inside `jax.default_device(cpu)` is lowered
+    for the CPU, which rejects the GPU's FP8 preset, even on a machine whose default backend is a GPU."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        pytest.skip("no CPU backend in this process: run the GPU lane with JAX_PLATFORMS=cuda,cpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_device("cuda", "NVIDIA H200", "9.0")])
+    traced = lambda x: backends.fp8_dot_precision(x, x)
+    x = jnp.zeros((2,), E4M3)
+    seen = []
+    jax.make_jaxpr(lambda x: seen.append(traced(x)) or x)(x)  # the GPU's preset: no default device named
+    with jax.default_device(cpu if named == "device" else "cpu"):
+        jax.make_jaxpr(lambda x: seen.append(traced(x)) or x)(x)
+    assert seen == [jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, None]
 
 
 @pytest.mark.skipif(not ON_NVIDIA, reason="needs an NVIDIA GPU")

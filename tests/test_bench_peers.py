@@ -83,7 +83,7 @@ def test_every_variant_is_a_row_that_ran_or_says_why(run):
             assert f"| {row['variant']} |" in stdout and "**skipped**" in stdout
         else:
             assert row["status"] == "done", row
-            assert row["finite"] and all(math.isfinite(v) for v in row["first_step"].values())
+            assert row["finite"] and all(math.isfinite(v) for v in row["first_step"].values()), row
             assert row["tokens_per_s"] > 0 and len(row["step_times_s"]) == 1
     assert rows["bf16"]["status"] == rows["mxfp4_full_ceil"]["status"] == "done"
     assert rows["bf16"]["step_buffers_gib"] > 0 and results["meta"]["memory_fraction"]

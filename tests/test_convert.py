@@ -189,6 +189,7 @@ def test_the_import_prints_the_run_flags_and_records_its_source(hf_dir, converte
     _assert_same_bits(_saved_params(out), _saved_params(converted))
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (the CPU lane's fake ones)")
 def test_loading_sharded_over_8_devices_equals_loading_on_one(hf_dir):
     cfg = llama_config("tiny", vocab_size=VOCAB)
     one = hf_llama.load_params(str(hf_dir), cfg, make_mesh(devices=jax.devices()[:1]))
@@ -286,7 +287,8 @@ def _counts(opt_state) -> list:
 )
 def test_a_run_of_another_layer_layout_gets_the_same_params(converted, token_cache, layout):
     config = setup.resolve_config(tiny_config(token_cache, init_params=str(converted), **layout))
-    mesh = make_mesh(data=1, fsdp=4, tensor=2)
+    tensor = 2 if jax.device_count() % 2 == 0 else 1  # fsdp 4 x tensor 2 on the CPU lane's 8 devices
+    mesh = make_mesh(data=1, fsdp=-1, tensor=tensor)
     with sharding_context(mesh):
         model, model_cfg = setup.build_model(config, bytes_tokenizer())
         tx, _ = make_optimizer(config.optimizer)

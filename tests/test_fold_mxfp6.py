@@ -15,7 +15,7 @@ import ml_dtypes
 import mx_reference
 import numpy as np
 import pytest
-from helpers import fwd_bwd, random_operands
+from helpers import all_eqns, fwd_bwd, random_operands
 
 from fp4jax.ops import PRESETS, MXArray, quantize_mx
 from fp4jax.ops.kernels import backends, fold, probes
@@ -195,7 +195,7 @@ def test_mx_dot_fp8_back_end_is_emulate_bit_for_bit(preset):
     jaxpr = jax.make_jaxpr(lambda *a: fwd_bwd(*a, recipe=recipes["fp8"], dims=DIMS))(*operands)
     # The three GEMMs are FP8 dots; no dequantized (bf16) GEMM is left (the Hadamard rotation's float32
     # dots in the _h16 preset are not GEMMs of quantized operands).
-    dots = [{v.aval.dtype for v in e.invars} for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots = [{v.aval.dtype for v in e.invars} for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert dots.count({jnp.dtype(probes.device_fold_dtype())}) == 3
     assert not any(jnp.dtype(jnp.bfloat16) in d for d in dots)
     runs = {

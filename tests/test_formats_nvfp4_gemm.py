@@ -294,8 +294,11 @@ def test_every_gemms_operands_match_the_reference_bit_for_bit(name, kind):
         gemm = getattr(recipe, stage)
         signs, a_key, c_key = _gemm_draws(gemm, jax.random.fold_in(key, i))
         rows = views[stage]
-        if gemm.rotation.size == 128:  # H128 is not exact in float32: the library's rotated rows, quantized
-            rows = [np.asarray(rotate_blocks(jnp.asarray(v), axis=-1, size=128, signs=signs)) for v in rows]
+        if gemm.rotation.size == 128:  # H128 is not exact in float32: the library's rotated rows, quantized,
+            # rotated as the library rotates them, one (1, F, C) operand: a GPU's float32 GEMM may sum the
+            # products of an (F, C) operand in another order
+            batched = [jnp.asarray(v)[None] for v in rows]
+            rows = [np.asarray(rotate_blocks(v, axis=-1, size=128, signs=signs)[0]) for v in batched]
         elif gemm.rotation.kind != "none":
             if kind != "coarse":
                 continue  # rotations of these inputs are not exact in float32: checked on the coarse ones

@@ -94,6 +94,27 @@ def test_the_seconds_file_is_made_from_the_lanes_durations(tmp_path):
     assert shards.load_seconds(str(tmp_path / "none.json")) == {}
 
 
+@SLOW
+def test_the_seconds_log_holds_each_phase_once_as_it_ends(tmp_path):
+    """--seconds-log under pytest-xdist: one line per phase of each test, written by the main process
+    alone (not again by the worker), in the lines `shards.py seconds` reads."""
+    ids = [
+        "tests/test_gpu_lane.py::test_bad_shard_arguments_are_one_line_errors",
+        "tests/test_gpu_lane.py::test_shards_depend_on_the_ids_not_their_order",
+    ]
+    path = tmp_path / "shard.seconds"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-n", "2"]
+    done = subprocess.run(
+        [*cmd, "--seconds-log", str(path), *ids], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = path.read_text().splitlines()
+    assert sorted(line.split(" ", 1)[1] for line in lines) == sorted(
+        f"{phase} {i}" for i in ids for phase in ("setup", "call", "teardown")
+    )
+    assert set(shards.seconds_from_logs(lines)) == set(ids)
+
+
 def _collect(*args) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider"]
     result = subprocess.run(

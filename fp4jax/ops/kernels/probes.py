@@ -228,14 +228,17 @@ def device_fold_dtype() -> Any:
 
 
 def platform_of(operands) -> str:
-    """The platform these operands run on: that of a concrete operand's devices, else the default backend
-    (under jit the operands are tracers; the program is lowered for the default backend unless told
-    otherwise)."""
+    """The platform these operands run on: that of a concrete operand's devices; else, under jit (the
+    operands are tracers), that of the device `jax.default_device(...)` names where one is in force (a
+    program traced inside it is lowered for it: a GPU machine's CPU, say), else the default backend."""
     for x in operands:
         try:
             return next(iter(x.devices())).platform
         except Exception:  # a tracer (ConcretizationTypeError) or not an array: look further
             continue
+    default = getattr(jax.config, "jax_default_device", None)  # a Device, a platform name or None
+    if default is not None:
+        return default if isinstance(default, str) else default.platform
     return jax.default_backend()
 
 
