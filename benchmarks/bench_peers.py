@@ -704,6 +704,8 @@ def prepare(shared: Setup, name: str, warmup: int, results: Results) -> Callable
     finite = all(math.isfinite(v) for v in first.values())
     results.update(name, **base, **fields, status="warm", first_step=first, finite=finite)
     print(f"{name}: compiled in {compile_s:.1f} s, first loss {first['loss']:.4f}", flush=True)
+    if not finite:  # timed like the others; the table says so (a peer's NaN is its finding, not a crash)
+        print(f"NOT FINITE {name}: first step {first}", flush=True)
     return functools.partial(compiled, state, shared.batch, shared.quant_key)
 
 
@@ -963,6 +965,9 @@ def to_markdown(results: Results, command: str) -> str:
         note = e.get("reason") or e.get("numerics", "")
         if e.get("status") in ("skipped", "failed"):
             note = f"**{e['status']}**: {note}"
+        elif e.get("finite") is False:
+            values = ", ".join(f"{k} {v:.4g}" for k, v in e["first_step"].items())
+            note = f"**not finite** (first step: {values}): {note}"
         lines.append(
             f"| {e['variant']} | {e.get('family', '')} | {fmt(e.get('tokens_per_s'), ',.0f')} "
             f"| {fmt(e.get('vs_bf16'), '.3f')} | {fmt(e.get('vs_fp8_mlperf'), '.3f')} "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from unittest import mock
 
 import formats_reference as fref
 import jax
@@ -34,7 +35,7 @@ from fp4jax.ops import (
 from fp4jax.ops.kernels import backends, probes
 from fp4jax.ops.nvfp4 import NVFP4Array
 from fp4jax.ops.quantized_dot import quantize_gemm_operands
-from fp4jax.ops.recipes import NVFP4, NVFP4_SR, NVFP4_W2D, RHT16_PER_RUN
+from fp4jax.ops.recipes import NVFP4, NVFP4_SR, NVFP4_W2D, RHT16_PER_RUN, ROTATIONS
 from fp4jax.ops.rotation import rotate_blocks
 
 DIMS = (((1,), (0,)), ((), ()))
@@ -264,6 +265,24 @@ def _gemm_operands(recipe: Recipe, x, w, dy, key):
     return out
 
 
+def _operands_and_rotated_rows(recipe: Recipe, x, w, dy, key):
+    """(_gemm_operands' result, the (1, F, C) rows the library rotated before quantizing, in the order it
+    rotated them: each rotating GEMM's lhs, then rhs), from one compiled program. A rotation that is not
+    exact in float32 gives the reference its input only this way on a GPU, whose float32 GEMM may sum
+    the products of a separately compiled rotation in another order."""
+    rotated = []
+
+    def recording(v, **kwargs):
+        out = rotate_blocks(v, **kwargs)
+        rotated.append(out)
+        return out
+
+    patched = {k: dataclasses.replace(r, reference=recording) for k, r in ROTATIONS.items() if r.reference}
+    with mock.patch.dict(ROTATIONS, patched):
+        body = lambda *a: (_gemm_operands.__wrapped__(recipe, *a), rotated)  # noqa: E731
+        return jax.jit(body)(x, w, dy, key)
+
+
 @jax.jit
 def _read_back(q: NVFP4Array):
     """(S_dec, q * s_b in bfloat16 as the GEMM multiplies it, the dequantized operand) of a quantized one."""
@@ -287,18 +306,17 @@ def test_every_gemms_operands_match_the_reference_bit_for_bit(name, kind):
     recipe, key = PRESETS[name], jax.random.key(11)
     sizes = dict(t=128, n=128) if name == "nvfp4_quartet2" else {}  # MS-EDEN's groups of 128
     x, w, dy = layer(3, kind=kind, **sizes)
-    got = _gemm_operands(recipe, x, w, dy, key)
+    got, rotated = _operands_and_rotated_rows(recipe, x, w, dy, key)
+    rotated = iter(rotated)
     views = _row_views(x, w, dy)
     checked = 0
     for i, stage in enumerate(GEMMS):
         gemm = getattr(recipe, stage)
         signs, a_key, c_key = _gemm_draws(gemm, jax.random.fold_in(key, i))
         rows = views[stage]
-        if gemm.rotation.size == 128:  # H128 is not exact in float32: the library's rotated rows, quantized,
-            # rotated as the library rotates them, one (1, F, C) operand: a GPU's float32 GEMM may sum the
-            # products of an (F, C) operand in another order
-            batched = [jnp.asarray(v)[None] for v in rows]
-            rows = [np.asarray(rotate_blocks(v, axis=-1, size=128, signs=signs)[0]) for v in batched]
+        library_rows = [np.asarray(next(rotated)[0]) for _ in rows] if gemm.rotation.rotates else None
+        if gemm.rotation.size == 128:  # H128 is not exact in float32: the library's rotated rows, quantized
+            rows = library_rows
         elif gemm.rotation.kind != "none":
             if kind != "coarse":
                 continue  # rotations of these inputs are not exact in float32: checked on the coarse ones
@@ -316,6 +334,7 @@ def test_every_gemms_operands_match_the_reference_bit_for_bit(name, kind):
             np.testing.assert_array_equal(f32_bits(dequantized[0]), f32_bits(r.dequantize()), err_msg=what)
             checked += 1
     assert checked == (4 if kind != "coarse" and name in ("nvfp4_nvidia", "nvfp4_4over6") else 6)
+    assert next(rotated, None) is None  # every operand the library rotated was accounted for
 
 
 @pytest.mark.parametrize("case", ["float32_max", "non_finite"])

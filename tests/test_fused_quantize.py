@@ -830,17 +830,14 @@ def test_kernel_config_is_hashable_and_checked():
         fq.rotate_quantize(jnp.zeros((32, 64)), spec=QuantSpec(kind="mx"), config={"column_parts": 8})
 
 
-def _compiled_cases(elems: str) -> list[tuple[QuantSpec, str]]:
+def _compiled_cases(elem: str) -> list[tuple[QuantSpec, str]]:
     """(spec, out) of the compiled sweep: E2M1 in every rounding, scale and prescale mode with both outputs;
     MXFP6 (written as E4M3 bytes) nearest-even and stochastic, E2M3 also folded."""
-    if elems == "e2m1":
+    if elem == "e2m1":
         specs = (QuantSpec(kind="mx"), QuantSpec(kind="mx", scale_mode="even"), SR_PRESCALE, SR, PRESCALE)
         return [(spec, out) for spec in specs for out in fq.OUTPUTS]
-    cases = []
-    for elem in ("e2m3", "e3m2"):
-        for spec in (QuantSpec(kind="mx", elem=elem, scale_mode="even"), dataclasses.replace(SR, elem=elem)):
-            cases += [(spec, out) for out in (fq.OUTPUTS if elem in fq.FOLDED_ELEMS else ("mx",))]
-    return cases
+    specs = (QuantSpec(kind="mx", elem=elem, scale_mode="even"), dataclasses.replace(SR, elem=elem))
+    return [(spec, out) for spec in specs for out in (fq.OUTPUTS if elem in fq.FOLDED_ELEMS else ("mx",))]
 
 
 def _differences(got, want) -> str | None:
@@ -869,22 +866,23 @@ def _differences(got, want) -> str | None:
     probes.describe_device().vendor != "nvidia",
     reason="needs an NVIDIA GPU: the compiled Triton kernels (interpret mode runs everywhere, above)",
 )
-@pytest.mark.parametrize("elems", ["e2m1", "mxfp6"])
+@pytest.mark.parametrize("elem", ["e2m1", "e2m3", "e3m2"])
 @pytest.mark.parametrize("axis", [-1, -2])
 @pytest.mark.parametrize("rotation", [NO_ROTATION, H16, RANDOM32], ids=["none", "h16", "random32"])
-def test_compiled_pallas_matches_reference_on_hard_inputs(axis, rotation, elems):
+def test_compiled_pallas_matches_reference_on_hard_inputs(axis, rotation, elem):
     """The Triton kernels themselves (not interpret mode) on ties, subnormals, zeros, Inf/NaN, wide ranges.
 
     The GPU keeps float32 subnormals where XLA's CPU flushes them, so this is the lane where the short
     E2M1 encoder's and the rotation's subnormal handling meet real subnormal arithmetic. Each kernel is
-    compiled (Triton, about 2-3 s each on an H200), so the sweep is split by element family for the
-    workers; a case that differs does not hide the others: every differing (spec, out) is listed.
+    compiled: a column-wise MXFP6 kernel with the 32-point rotation took 27-54 s on an H100 whose CPUs
+    other compilations shared (2026-12-07), so the sweep is split by element type for the workers; a
+    case that differs does not hide the others: every differing (spec, out) is listed.
     """
     x = jnp.asarray(np.concatenate([_hard_inputs(rows=64, cols=512, seed=s) for s in (11, 12)]))
     signs = random_signs(jax.random.key(4), rotation.size) if rotation.kind == "random" else None
     key = jax.random.key(6)
     differing = []
-    for spec, out in _compiled_cases(elems):
+    for spec, out in _compiled_cases(elem):
         got = fq.rotate_quantize(
             x, axis=axis, spec=spec, rotation=rotation, signs=signs, key=key, out=out, impl="pallas"
         )

@@ -846,7 +846,8 @@ def test_an_eager_call_is_one_compiled_program(monkeypatch):
     """Called outside any jit, mx_dot_general (and its gradient) runs as compiled programs that a second
     call of the same shapes reuses, not as the quantizers' primitives dispatched one by one: the forward's
     Python runs once for two calls, and once more for the gradient's forward pass. Inside a caller's
-    trace the passes are inlined: its jaxpr holds no nested jit, and its result is the eager one."""
+    trace its result is the eager one. (Whether the passes show in the caller's jaxpr as nested jits
+    depends on the jax version: inlined on 0.10, nested jit calls on 0.11.2.)"""
     traced = []  # the passes' caches start empty (conftest.py's _traced_afresh)
     forward = quantized_dot._forward
     monkeypatch.setattr(quantized_dot, "_forward", lambda *a: traced.append(1) or forward(*a))
@@ -861,10 +862,8 @@ def test_an_eager_call_is_one_compiled_program(monkeypatch):
     assert len(traced) == 2
     np.testing.assert_array_equal(np.asarray(grads[0][1]), np.asarray(grads[1][1]))
     np.testing.assert_array_equal(np.asarray(jax.jit(call)(lhs, rhs)), np.asarray(first))
-    eqns = list(all_eqns(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)))
-    nested = {str(e.params.get("name")) for e in eqns if "jaxpr" in e.params}  # jnp's own jits remain
-    assert any(e.primitive.name == "dot_general" for e in eqns)
-    assert not {n for n in nested if n.startswith("_mx_dot")}, nested
+    eqns = all_eqns(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(lhs, rhs))
+    assert sum(e.primitive.name == "dot_general" for e in eqns) >= 3  # the three GEMMs, nested or not
 
 
 # ----------------------------------------------------------------------------------------------------
