@@ -91,6 +91,17 @@ def test_selfcheck_covers_every_format_by_default(capsys):
     assert not failed and out.rstrip().endswith("self-check PASSED") and code == 0, "\n".join(failed) or out
 
 
+@pytest.mark.parametrize(
+    "on_gpu, cores, threads", [(False, 2, 1), (False, 64, 1), (True, 16, 8), (True, 4, 4)]
+)
+def test_compile_threads_default_to_one_on_a_cpu_and_one_per_core_on_a_gpu_host(
+    monkeypatch, on_gpu, cores, threads
+):
+    monkeypatch.setattr(selfcheck.os, "cpu_count", lambda: cores)
+    assert selfcheck.default_compile_threads(on_gpu) == threads
+    assert selfcheck.parse_args([]).compile_threads is None  # resolved once the device is known
+
+
 def test_selfcheck_rejects_bad_arguments():
     with pytest.raises(SystemExit) as exc:
         selfcheck.main(["--backends", "fp4"])
