@@ -244,7 +244,9 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("shard"):
         _keep_shard(config, items)
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    measured = shards.load_seconds(ordering.SECONDS_FILE)
+    # A GPU lane orders by the GPU's measured seconds where there are any: its compiled kernels take
+    # minutes there and nothing on the CPU lane, where they skip.
+    measured = (not _ON_CPU and shards.load_seconds()) or shards.load_seconds(ordering.SECONDS_FILE)
     seconds = ordering.module_seconds([item.nodeid for item in items], measured)
     order = ordering.deal([os.path.basename(item.path) for item in items], workers, seconds)
     items[:] = [items[i] for i in order]
