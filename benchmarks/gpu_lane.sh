@@ -11,7 +11,8 @@
 # the shards. --dry-run only collects the shard and lists it (any machine: the CPU
 # there where no NVIDIA GPU is). Settings: WORKERS (pytest-xdist workers, default 12), TEST_TIMEOUT
 # (seconds per test, default 300, pytest-timeout's --timeout), SHARD_TIMEOUT (seconds for the whole
-# shard, default 470, so that a cut shard still leaves its log within a 10-minute call).
+# shard, default 470, so that a cut shard still leaves its log within a 10-minute call), SESSION_TIMEOUT
+# (seconds after which no new test starts, default SHARD_TIMEOUT - 90, with pytest-timeout >= 2.3).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 
@@ -54,10 +55,18 @@ if ! python -c "import pytest_timeout, xdist" 2>/dev/null; then
   echo "gpu_lane.sh: needs pytest-timeout and pytest-xdist: pip install pytest-timeout pytest-xdist" >&2
   exit 2
 fi
+# pytest-timeout >= 2.3 ends the session between tests at SESSION_TIMEOUT, so that a shard that would run
+# past its limit still prints its failures' tracebacks and counts; the hard limit then stops what is left.
+session=()
+if python -c 'import importlib.metadata as m, sys; v = m.version("pytest-timeout").split(".")
+sys.exit(0 if (int(v[0]), int(v[1])) >= (2, 3) else 1)' 2>/dev/null; then
+  session=(--session-timeout "${SESSION_TIMEOUT:-$(( ${SHARD_TIMEOUT:-470} - 90 ))}")
+fi
 echo "gpu_lane.sh: shard $shard, JAX_PLATFORMS=$JAX_PLATFORMS, ${WORKERS:-12} workers, log $log"
 rm -f "$seconds_log"
 timeout -k 10 "${SHARD_TIMEOUT:-470}" python -m pytest "${common[@]}" -n "${WORKERS:-12}" --dist worksteal \
-  -v -rfEs --timeout "${TEST_TIMEOUT:-300}" --seconds-log "$seconds_log" "$@" tests >"$log" 2>&1
+  -v -rfEs --timeout "${TEST_TIMEOUT:-300}" "${session[@]}" --seconds-log "$seconds_log" "$@" tests \
+  >"$log" 2>&1
 rc=$?
 [ "$rc" = 124 ] && echo "gpu_lane.sh: shard $shard cut after ${SHARD_TIMEOUT:-470} s (SHARD_TIMEOUT)"
 grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)|Timeout" "$log" | tail -60
