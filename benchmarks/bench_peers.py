@@ -88,6 +88,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -439,21 +440,11 @@ def equations(closed_jaxpr):
     """Every equation of a program, its sub-programs' (scan, custom_vjp, pjit) included, each once as
     written."""
 
-    def jaxprs(value):
-        if hasattr(value, "eqns"):
-            yield value
-        elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-            yield value.jaxpr
-        elif isinstance(value, tuple | list):
-            for v in value:
-                yield from jaxprs(v)
-
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             yield eqn
-            for v in eqn.params.values():
-                for sub in jaxprs(v):
-                    yield from walk(sub)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
 
     return walk(closed_jaxpr.jaxpr)
 

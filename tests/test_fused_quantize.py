@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import long_lane
 import numpy as np
 import pytest
+from helpers import all_eqns
 
 from fp4jax.ops import formats, quantize
 from fp4jax.ops.kernels import fold, probes, threefry, tile_math
@@ -651,24 +652,11 @@ def _pallas_sr(x, axis, rotation, spec, out, key, config=SMALL_TILES):
 
 def _bits_passed_to_kernels(jaxpr, size: int) -> bool:
     """Whether some pallas_call in the jaxpr reads a uint32 input of `size` elements (bits drawn by XLA)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call" and any(
-            v.aval.dtype == jnp.uint32 and v.aval.size == size for v in eqn.invars
-        ):
-            return True
-        for sub in _inner_jaxprs(eqn.params):
-            if _bits_passed_to_kernels(sub, size):
-                return True
-    return False
-
-
-def _inner_jaxprs(params):
-    """The jaxprs among an equation's parameters (jit's, cond's branches, ...), closed ones opened."""
-    for value in params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                yield inner
+    return any(
+        eqn.primitive.name == "pallas_call"
+        and any(v.aval.dtype == jnp.uint32 and v.aval.size == size for v in eqn.invars)
+        for eqn in all_eqns(jaxpr)
+    )
 
 
 @long_lane.parametrize("case", list(KERNEL_BITS_CASES), default=2)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import linen as nn
+from helpers import all_eqns
 
 from fp4jax.models import llama
 from fp4jax.models.llama import Llama, llama_config
@@ -259,16 +260,7 @@ def test_remat_policies_give_same_gradients(tiny_params):
 
 def _checkpoint_names(jaxpr) -> set[str]:
     """Every checkpoint_name in a jaxpr, its sub-jaxprs (scan, remat, custom_vjp) included."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "name":
-            found.add(eqn.params["name"])
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found |= _checkpoint_names(inner)
-    return found
+    return {eqn.params["name"] for eqn in all_eqns(jaxpr) if eqn.primitive.name == "name"}
 
 
 def test_every_name_a_remat_policy_saves_is_tagged_in_the_model(tiny_params):

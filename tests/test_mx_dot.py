@@ -885,17 +885,7 @@ def test_mx_dot_module_is_the_public_surface():
 
 def _dot_precisions(jaxpr) -> list:
     """The precision of every dot_general in a jaxpr, sub-jaxprs (custom_vjp, pjit) included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn.params["precision"])
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += _dot_precisions(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found += _dot_precisions(sub)
-    return found
+    return [eqn.params["precision"] for eqn in all_eqns(jaxpr) if eqn.primitive.name == "dot_general"]
 
 
 def test_plain_operand_times_quantized_one_is_a_float32_product():
