@@ -421,8 +421,8 @@ def _forward(lhs, rhs, fprop_keys: GemmKeys, fp8_meta, dims, recipe, backend, pr
 # Each pass is jitted, its static arguments the recipe, dimension numbers, back end, precision and
 # output dtype. Called eagerly (or under an eager grad) the custom_vjp would otherwise dispatch each of the
 # quantizers' hundreds of primitives on its own: an 8 x 256 x 128 product took 5 s on a CPU. inline=True:
-# inside a caller's trace each pass is traced into the caller's jaxpr as before, no nested jit, so a
-# traced model's program does not change.
+# on jax 0.10 each pass is traced into a caller's jaxpr as before (no nested jit, every preset's jaxpr
+# unchanged); jax 0.11.2 keeps the passes as nested jits in the caller's jaxpr.
 _STATIC = (4, 5, 6, 7, 8)
 _jit_pass = functools.partial(jax.jit, static_argnums=_STATIC, inline=True)
 
