@@ -68,9 +68,11 @@ def test_design_layout_names_every_module():
 
 
 def test_the_repository_stays_light():
-    """A clone carries the library, its docs and reports under 7.5 MB, and the runs' records compressed
-    (records/*.tar.xz, about 12 KB a run) under 5 MB: the records grow with every stage run, the rest must
-    not. Run logs and checkpoints belong in records/ or outside the repository, never in docs/."""
+    """A clone carries under 10 MB: the library, its docs and reports under 7.5 MB, and the runs' records
+    compressed (records/*.tar.xz; about 19 KB a run of 1,000 updates since metrics.jsonl is archived slim,
+    45 KB before) under 2.5 MB. The records grow with every stage run, the rest must not: 2.5 MB leaves
+    room for about fifty such runs above the 1.5 MB of 2026-12-07 (the limit was 5 MB while the records
+    were 3.6 MB). Run logs and checkpoints belong in records/ or outside the repository, never in docs/."""
     import subprocess
 
     try:
@@ -82,5 +84,6 @@ def test_the_repository_stays_light():
     records = sum(size for f, size in sizes.items() if f.relative_to(ROOT).parts[0] == "records")
     rest = sum(sizes.values()) - records
     assert rest < 7_500_000, f"tracked files outside records/ hold {rest:,} bytes; compress or move what grew"
-    assert records < 5_000_000, f"records/ holds {records:,} bytes; pack with xz or move old stages out"
+    assert records < 2_500_000, f"records/ holds {records:,} bytes; pack with xz or move old stages out"
+    assert rest + records < 10_000_000, f"tracked files hold {rest + records:,} bytes"
     assert not [f for f in files if "docs/results" in f.as_posix() and f.name == "metrics.jsonl"]
