@@ -1,6 +1,6 @@
-"""Every committed report of the 125M study regenerates from the committed run records: `python -m
-fp4jax.study records unpack records/study125m --root runs/study`, then `report --root runs/study`, writes
-the same files as docs/results/study125m holds.
+"""Every committed study report regenerates from the committed run records: for the 125M study, `python
+-m fp4jax.study records unpack records/study125m --root runs/study`, then `report --root runs/study`, writes
+the same files as docs/results/study125m holds; so do the 350M set's (records/scale350m, runs/scale350m).
 
 The markdown must match byte for byte. The JSON must hold the same keys and values, numbers equal to
 1e-9 relative or 1e-12 absolute: the pooled fit's SVD and least squares sum in an order that the CPU's
@@ -15,12 +15,17 @@ import json
 import math
 import os
 
+import pytest
+
 from fp4jax.study.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLAN = os.path.join(ROOT, "fp4jax", "study", "plans", "proxy125m.toml")
-RECORDS = os.path.join(ROOT, "records", "study125m")
-COMMITTED = os.path.join(ROOT, "docs", "results", "study125m")
+# (plan, records, the runs' root the reports were written from, committed reports), as docs/results.md runs
+# each: the JSON reports name run directories under that root.
+STUDIES = {
+    "study125m": ("proxy125m.toml", "study125m", os.path.join("runs", "study"), "study125m"),
+    "scale350m": ("scale350m.toml", "scale350m", os.path.join("runs", "scale350m"), "scale350m"),
+}
 
 
 def same(a, b, where: str = "") -> None:
@@ -40,27 +45,31 @@ def same(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def regenerate(out, workdir) -> None:
-    """The report as docs/results.md runs it: the records unpacked into runs/study under `workdir` (the
-    JSON records run directories as given, runs/study/...), the report into `out`."""
+def regenerate(study: str, out, workdir) -> str:
+    """`study`'s report as docs/results.md runs it: its records unpacked into its runs' root under
+    `workdir` (the JSON records run directories as given), the report into `out`; returns the directory
+    of the committed reports."""
+    plan, records, runs, committed = STUDIES[study]
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
-        runs = os.path.join("runs", "study")
-        assert main(["records", "unpack", RECORDS, "--root", runs]) == 0
-        assert main(["report", "--plan", PLAN, "--root", runs, "--out", str(out)]) == 0
+        assert main(["records", "unpack", os.path.join(ROOT, "records", records), "--root", runs]) == 0
+        plan = os.path.join(ROOT, "fp4jax", "study", "plans", plan)
+        assert main(["report", "--plan", plan, "--root", runs, "--out", str(out)]) == 0
     finally:
         os.chdir(cwd)
+    return os.path.join(ROOT, "docs", "results", committed)
 
 
-def test_every_committed_report_regenerates_from_the_committed_runs(tmp_path):
+@pytest.mark.parametrize("study", sorted(STUDIES))
+def test_every_committed_report_regenerates_from_the_committed_runs(study, tmp_path):
     """One regeneration (several seconds) for every file: the same names, the markdown byte for byte, the
     JSON to 1e-9."""
     out = tmp_path / "out"
-    regenerate(out, tmp_path)
-    assert sorted(os.listdir(out)) == sorted(os.listdir(COMMITTED))
-    for name in sorted(os.listdir(COMMITTED)):
-        committed, fresh = os.path.join(COMMITTED, name), out / name
+    expected = regenerate(study, out, tmp_path)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(expected))
+    for name in sorted(os.listdir(expected)):
+        committed, fresh = os.path.join(expected, name), out / name
         if name.endswith(".md"):
             with open(committed, "rb") as f:
                 assert fresh.read_bytes() == f.read(), f"{name} differs: rerun the report (docs/results.md)"
