@@ -221,6 +221,67 @@ def test_an_attempt_records_how_many_runs_shared_its_gpu(
     assert [h["runs_per_gpu"] for h in record["history"]] == [sharing]
 
 
+# FINISHER, but arm b's process dies as a GPU out of memory does: a traceback on stderr, exit code 1.
+OUT_OF_MEMORY_B = (
+    """
+import sys
+if "--config.recipe=mxfp4_full" in sys.argv:
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30.19GiB",
+          file=sys.stderr)
+    sys.exit(1)
+"""
+    + FINISHER
+)
+
+
+def test_a_failed_run_names_its_error_blocks_later_stages_and_reruns_with_retry_failed(tmp_path, monkeypatch):
+    """A crash is the harness's failure, not a result: its summary names the error line (and, for a GPU
+    out of memory with runs sharing the GPU, the fix), a stage requiring its stage waits, and
+    --retry-failed runs it again; the failure it replaces is kept in summary.failed.json."""
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "plan.toml"
+    path.write_text(
+        TINY_PLAN + _stage("after", {"a": "mxfp4_full_h16"}, seeds=(0,), extra='requires = ["gate"]\n')
+    )
+    the_plan = designs.load_plan(str(path))
+    monkeypatch.setattr(runner, "accelerator_kind", lambda: "cuda")
+    root = str(tmp_path / "runs")
+    _fake(monkeypatch, OUT_OF_MEMORY_B)
+    lines = []
+    schedule.run_plan(the_plan, root, budget_minutes=5, parallel=2, gpus=["0", "0"], log=lines.append)
+    failed = runs.read_json(os.path.join(root, "gate", "b", "seed0", "summary.json"))
+    assert failed["status"] == "failed"
+    assert failed["failure"] == (
+        "exit code 1: jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        "30.19GiB (2 runs shared the GPU: run fewer at once, e.g. --parallel 1)"
+    )
+    waits = "study: stage after waits: stage gate has 2 failed run(s) (b/seed0, ...): rerun them with "
+    waits += "--retry-failed"
+    assert any(line.startswith(waits) for line in lines), lines
+    assert not os.path.exists(os.path.join(root, "after"))
+
+    lines.clear()  # without --retry-failed nothing changes
+    assert schedule.run_plan(the_plan, root, budget_minutes=5, log=lines.append) == {}
+    _fake(monkeypatch, FINISHER)
+    done = schedule.run_plan(the_plan, root, budget_minutes=5, retry_failed=True, log=lambda line: None)
+    assert sorted(done) == ["a/seed0", "b/seed0", "b/seed1"]
+    assert runs.run_status(os.path.join(root, "gate", "b", "seed0")) == "not_reached"
+    kept = runs.read_json(os.path.join(root, "gate", "b", "seed0", schedule.FAILED_SUMMARY))
+    assert kept["failure"] == failed["failure"]
+    record = runs.read_json(os.path.join(root, "gate", "b", "seed0", "ladder_run.json"))
+    assert [h["status"] for h in record["history"]] == ["failed", "not_reached"]
+
+
+def test_the_error_line_is_the_last_exception_of_the_logs_end(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("step 1\nValueError: first\n  File x, line 2\nKeyError: 'loss'\nexiting\n")
+    assert runner._last_error_line(str(log)) == "KeyError: 'loss'"
+    log.write_text("step 1\nan Error: in prose is not one\n")
+    assert runner._last_error_line(str(log)) is None
+    assert runner._last_error_line(str(tmp_path / "missing.log")) is None
+
+
 @pytest.mark.parametrize(
     "edit,message",
     [

@@ -53,6 +53,7 @@ def cmd_run(args) -> None:
         arms=args.arm or None,
         seeds=args.seed or None,
         overrides=overrides,
+        retry_failed=args.retry_failed,
         log=report.emit_print,
     )
     report.write_progress(the_plan, args.root, None)  # what is left after this call
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", action="append", type=int, default=[], help="only this seed (trunk) now (repeatable)"
     )
     run_p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    run_p.add_argument("--retry-failed", action="store_true", help="start runs recorded as failed again")
     rep_p = sub.add_parser("report", help="tables, plots and the gate from the runs", allow_abbrev=False)
     rep_p.add_argument("--out", default=None, help="directory for <stage>.md/.json/.png and gates")
     rep_p.add_argument("--target", default="config", help="config, auto[+MARGIN], or a loss in nats")

@@ -16,6 +16,7 @@ __all__ = [
     "RESUME_OVERHEAD_MINUTES",
     "blocked_by",
     "expected_minutes",
+    "failed_runs",
     "measured_minutes",
     "progress",
     "progress_markdown",
@@ -29,12 +30,26 @@ def stage_complete(root: str, stage: Stage) -> bool:
     return all(runs.is_finished(s.directory(stage_root(root, stage))) for s in stage_specs(stage))
 
 
+def failed_runs(root: str, stage: Stage) -> list[str]:
+    """The labels of the stage's runs recorded as failed: the harness's failures (a crash, a timeout, out
+    of memory), not a run's own outcome such as a divergence."""
+    sroot = stage_root(root, stage)
+    return [s.label for s in stage_specs(stage) if runs.run_status(s.directory(sroot)) == "failed"]
+
+
 def blocked_by(plan: Plan, root: str, stage: Stage) -> str | None:
-    """Why `stage` may not run yet (an earlier stage unfinished, or its gate not passed), else None."""
+    """Why `stage` may not run yet (an earlier stage unfinished or with failed runs, or its gate not
+    passed), else None. A failed run ends but measures nothing, so it never lets a later stage start."""
     for need in stage.requires:
         other = plan.stage(need)
         if not stage_complete(root, other):
             return f"stage {need} is not complete"
+        failed = failed_runs(root, other)
+        if failed:
+            return (
+                f"stage {need} has {len(failed)} failed run(s) ({failed[0]}, ...): rerun them with "
+                "--retry-failed once their cause is fixed"
+            )
         if other.gate is not None and not gate_result(root, other)["passed"]:
             return f"stage {need}'s gate did not pass"
     return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -235,7 +236,7 @@ def finish(job: Job, code: int, config_info: dict) -> dict:
     if job.timed_out:
         failure = f"timeout after {job.timeout_s / 60:g} min"
     else:
-        failure = None if code in (0, runs.DIVERGED_EXIT) else f"exit code {code}"
+        failure = None if code in (0, runs.DIVERGED_EXIT) else _exit_failure(job, code)
     if summary is None:
         failure = failure or ("exit code 0 without summary.json" if code == 0 else None)
         summary = derive(job, code, failure, config_info, wall)
@@ -246,6 +247,33 @@ def finish(job: Job, code: int, config_info: dict) -> dict:
         runs.write_json(path, summary)
     record_attempt(job, code, wall, summary)
     return summary
+
+
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b[^:\s]*: ")
+_ERROR_CHARS = 300  # of the error line kept in the failure
+
+
+def _exit_failure(job: Job, code: int) -> str:
+    """Why a run's process failed: its exit code, the last Python error line of its train.log, and the
+    likely fix where the error is the GPU's memory and other runs shared the GPU."""
+    line = _last_error_line(os.path.join(job.run_dir, "train.log"))
+    failure = f"exit code {code}" + (f": {line}" if line else "")
+    if line and "RESOURCE_EXHAUSTED" in line and job.runs_per_gpu > 1:
+        failure += f" ({job.runs_per_gpu} runs shared the GPU: run fewer at once, e.g. --parallel 1)"
+    return failure
+
+
+def _last_error_line(log_path: str) -> str | None:
+    """The last line of the log's end that reads like a Python exception ("ValueError: ..."), cut to
+    _ERROR_CHARS; None without one."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - 65536))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    line = next((ln.strip() for ln in reversed(tail) if _ERROR_LINE.match(ln.strip())), None)
+    return None if line is None else line[:_ERROR_CHARS]
 
 
 def derive(job: Job, code: int, failure: str | None, config_info: dict, wall: float) -> dict:

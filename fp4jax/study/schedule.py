@@ -4,7 +4,8 @@ Invariants of `run_plan`:
 - every run of the call shares one persistent compilation cache, ROOT/.jax_cache (or the caller's
   JAX_COMPILATION_CACHE_DIR): an arm's seeds run one program, compiled once;
 - a run with a final summary is never started again (runner); an unfinished one resumes from its
-  checkpoints;
+  checkpoints; --retry-failed first reopens the chosen runs recorded as failed (their summary.json moved
+  to summary.failed.json, their attempts kept in ladder_run.json), so they run like unfinished ones;
 - the call holds its GPUs for at most --budget-minutes of wall time: a run is started only when its
   expected remaining time fits in what is left (progress.expected_minutes; or, when nothing is running
   and nothing fits, when at least MIN_START_MINUTES are left: it will be stopped with a checkpoint); at
@@ -32,6 +33,7 @@ from fp4jax.study.reuse import reuse_earlier_run
 __all__ = [
     "COMPILE_CACHE_DIR",
     "COMPILE_CACHE_ENV",
+    "FAILED_SUMMARY",
     "KILL_AFTER_S",
     "MIN_START_MINUTES",
     "STOP_MARGIN_S",
@@ -42,6 +44,7 @@ __all__ = [
 
 STOP_MARGIN_S = 60  # stop runs this long before the budget ends: they save a checkpoint and exit
 KILL_AFTER_S = 60  # a run that has not exited this long after SIGTERM is killed
+FAILED_SUMMARY = "summary.failed.json"  # where --retry-failed moves a failed run's summary
 MIN_START_MINUTES = 3.0  # an over-long run is started on an idle machine only with this much left
 
 
@@ -103,6 +106,7 @@ def run_plan(
     arms: list[str] | None = None,
     seeds: list[int] | None = None,
     overrides: list[str] = (),
+    retry_failed: bool = False,
     log=print,
     clock=time.monotonic,
 ) -> dict[str, dict]:
@@ -111,7 +115,8 @@ def run_plan(
     `arms` (names of some stages' arms) runs only those arms now, e.g. the cheap ones first; the
     report and the gates still read every arm the plan lists. `seeds` likewise runs only those seeds
     (in a branch stage: those trunks and their branches, so that a call on a fresh machine trains one
-    trunk again, not all of them)."""
+    trunk again, not all of them). `retry_failed` starts runs recorded as failed again (resuming from
+    their checkpoints, if any)."""
     if budget_minutes <= 0:
         raise ValueError(f"--budget-minutes {budget_minutes:g} must be > 0")
     chosen = [plan.stage(name) for name in stages] if stages else list(plan.stages)
@@ -121,6 +126,9 @@ def run_plan(
     kind = runner.accelerator_kind()
     slots = runner._slots(parallel, gpus, 1, kind)
     done: dict[str, dict] = {}
+    if retry_failed:
+        for stage in chosen:
+            _reopen_failed(stage, stage_root(root, stage), arms, seeds, log)
     for stage in chosen:
         reason = blocked_by(plan, root, stage)
         if reason:
@@ -144,6 +152,21 @@ def run_plan(
     left = max(0.0, (deadline - clock()) / 60)
     log(f"study: this call is done, {left:.1f} of {budget_minutes:g} budget minutes left")
     return done
+
+
+def _reopen_failed(stage: Stage, sroot: str, arms, seeds, log) -> None:
+    """The stage's failed runs among the chosen arms and seeds made unfinished: summary.json moved to
+    summary.failed.json (the last failure's, kept to read)."""
+    for spec in stage_specs(stage):
+        if (seeds and spec.seed not in seeds) or (arms and arm_of(spec) not in arms):
+            continue
+        directory = spec.directory(sroot)
+        if runs.run_status(directory) != "failed":
+            continue
+        path = runs.summary_path(directory)
+        why = (runs.read_json(path) or {}).get("failure")
+        os.replace(path, os.path.join(directory, FAILED_SUMMARY))
+        log(f"study: {stage.name}/{spec.label}: failed before ({why}), to run again")
 
 
 def _phases(stage: Stage, sroot: str, arms, seeds, log):
