@@ -245,6 +245,17 @@ class _Inputs:
             return _load_parts(self.random, False, size, split, jnp.uint32)
         return self.draw.parts(self.random, size)
 
+    def sign_parts(self, size: int) -> list[jax.Array] | None:
+        """The rotation's signs by parts, [sign of element k of every run], as scalars; or None.
+
+        Every run of the sign row holds the same `size` signs (fused_quantize tiles them), so part k's
+        sign is the scalar at column k: one scalar read, not a strided tile load per part. Triton's
+        coalescing pass walks the whole program once from every tile load or store, so each load it
+        is spared shortens the compile (a random32 column kernel read its signs in 32 of its 66)."""
+        if self.signs is None:
+            return None
+        return [self.signs[0, k] for k in range(size)]
+
     def quantize_whole(self, column, spec, rotation, fmt):
         """The tile read whole: rotated (butterflies over views), then tile_math.quantize_tile."""
         t = _rotate(_load_tile(self.x, column), rotation, self.signs)
@@ -333,8 +344,7 @@ def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, spli
     parts = _load_parts(inputs.x, column, size, split)
     rows, runs = parts[0].shape
     if rotation.rotates:
-        signs = None if inputs.signs is None else _load_parts(inputs.signs, False, size, False)
-        parts = tm.hadamard_parts(parts, signs)
+        parts = tm.hadamard_parts(parts, inputs.sign_parts(size))
     bits = [f32_bits(p) for p in parts]
     per_block = spec.block_size // size
     amax = functools.reduce(jnp.maximum, [b & F32_ABS_MASK for b in bits])
