@@ -737,6 +737,75 @@ def test_pallas_draws_threefry13_bits_in_both_layouts_by_default(case):
         _assert_same(read, want)
 
 
+# KernelConfig.encode_joined_from(_rows): tiles read by parts encode the joined tile (by default from 32
+# parts on, except in the row-wise mx kernel) or each part apart. Both ways, every size of parts, give the
+# reference's bits.
+ENCODINGS = {  # joined for every size of parts in every kernel, or apart everywhere
+    "joined": {"encode_joined_from": 1, "encode_joined_from_rows": 1},
+    "apart": {"encode_joined_from": 0, "encode_joined_from_rows": 0},
+}
+JOINED_CASES = {  # (axis, rotation, spec, out or fold method, rng); SMALL_TILES, the bits drawn in kernels
+    "col-h32-sr-mx": (-2, H32, SR, "mx", "threefry"),
+    "row-h32-sr_prescale-one_pass": (-1, H32, SR_PRESCALE, "one_pass", "threefry"),
+    "col-h16-sr_prescale-via_mx": (-2, H16, SR_PRESCALE, "via_mx", "threefry"),
+    "col-sr-mx": (-2, NO_ROTATION, SR, "mx", "threefry"),  # unrotated columns: parts of column_parts
+    "row-h32-sr-mx-threefry13": (-1, H32, SR, "mx", "threefry13"),
+    "col-h16-sr_prescale-via_mx-threefry13": (-2, H16, SR_PRESCALE, "via_mx", "threefry13"),
+    "row-h16-prescale-one_pass": (-1, H16, PRESCALE, "one_pass", "threefry"),
+    "col-h32-e2m3-mx": (-2, H32, dataclasses.replace(PRESCALE, elem="e2m3", prescale=1.0), "mx", "threefry"),
+}
+
+
+@long_lane.parametrize("encoding", list(ENCODINGS))
+@long_lane.parametrize("case", list(JOINED_CASES))
+def test_pallas_parts_encoded_joined_or_apart_match_reference(case, encoding):
+    """Tiles read by parts give quantize_mx's codes, scales and folds whether each part is encoded apart
+    or the rotated parts are joined and the tile encoded once, for every size of parts (32: H32, 16: H16,
+    8: unrotated columns), drawn bits of both generators, and every fold method."""
+    axis, rotation, spec, out, rng = JOINED_CASES[case]
+    config = dataclasses.replace(SMALL_TILES, **ENCODINGS[encoding])
+    spec = dataclasses.replace(spec, rng=rng)
+    got, xla_draws, want = _pallas_sr(
+        _batched_operand(axis), axis, rotation, spec, out, FORMULA_KEYS[0], config
+    )
+    assert not xla_draws
+    _assert_same(got, want)
+
+
+def test_random32_parts_read_xla_drawn_bits_joined_or_apart():
+    """The 32-point random rotation (its signs read as scalars by parts), SR's bits drawn by XLA and
+    read by the kernels, both layouts, every kernel encoding joined and apart."""
+    x = _adversarial(seed=40)
+    signs = random_signs(jax.random.key(12), 32)
+    for encoding, axis in ((e, a) for e in ENCODINGS for a in (-1, -2)):
+        config = fq.KernelConfig(kernel_bits="never", **ENCODINGS[encoding])
+        check = functools.partial(_check, x, axis=axis, rotation=RANDOM32, impl="pallas", signs=signs)
+        check(spec=SR_PRESCALE, key=jax.random.key(13), config=config, out="fp8_fold")
+        check(spec=SR, key=jax.random.key(14), config=config)
+
+
+def _kernel_equations(config: fq.KernelConfig, rotation=RANDOM32) -> int:
+    """Equations of the column-wise mx kernel's body for a 32-point random rotation with SR drawn in the
+    kernel: a measure of the Triton program it lowers to."""
+    from fp4jax.ops.kernels import fused_quantize_pallas as kernels
+
+    def run(x, signs, words):
+        return kernels.rotate_quantize_3d(x, True, SR, rotation, signs, None, "mx", False, config, words)
+
+    args = (jnp.zeros((1, 256, 64)), jnp.ones((1, 256)), jnp.zeros((2,), jnp.uint32))
+    jaxpr = jax.make_jaxpr(run)(*args)
+    [kernel] = [eqn for eqn in all_eqns(jaxpr) if eqn.primitive.name == "pallas_call"]
+    return sum(1 for _ in all_eqns(kernel.params["jaxpr"]))
+
+
+def test_joined_parts_keep_one_copy_of_the_encoding_and_the_generator():
+    """Encoded apart, a 32-part kernel holds 32 copies of the element encoding and of threefry's rounds
+    (about 8600 equations; its Triton compile took 27-54 s on an H100); joined, one (about 800)."""
+    apart = _kernel_equations(fq.KernelConfig(encode_joined_from=0))
+    joined = _kernel_equations(fq.KernelConfig())
+    assert joined * 8 < apart, (joined, apart)
+
+
 def test_pallas_threefry13_lowers_to_triton_without_a_gpu():
     """The kernels drawing generator threefry13 (pairs of words interleaved by joins) lower to Triton."""
     _assert_lowers_to_triton(dataclasses.replace(SR_PRESCALE, rng="threefry13"))
@@ -814,6 +883,8 @@ def test_kernel_config_is_hashable_and_checked():
     assert hash(fq.KernelConfig()) == hash(fq.KernelConfig())
     with pytest.raises(ValueError, match="column_parts"):
         fq.KernelConfig(column_parts=3)
+    with pytest.raises(ValueError, match="encode_joined_from_rows must be >= 0 .0: never., got -1"):
+        fq.KernelConfig(encode_joined_from_rows=-1)
     with pytest.raises(TypeError, match="config must be a KernelConfig"):
         fq.rotate_quantize(jnp.zeros((32, 64)), spec=QuantSpec(kind="mx"), config={"column_parts": 8})
 

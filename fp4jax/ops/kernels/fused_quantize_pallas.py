@@ -10,10 +10,12 @@ benchmarks/bench_quantize.py times others, and every config gives the same bits.
   read x once and write the transposed output directly. A rotated tile whose rotation blocks tile the MX
   block is taken "by parts" (part k = element k of every rotation block), so the butterflies are
   elementwise between parts (tile_math.hadamard_parts); each part's codes are joined back into runs in
-  registers and stored contiguously. A row tile's parts are split from one contiguous read in registers
-  or read with strided loads (KernelConfig.split_loads). An unrotated column-wise tile is taken by parts
-  too (KernelConfig.column_parts), which makes its transpose a set of small ones. Other tiles are read
-  whole and rotated with butterflies over reshaped views.
+  registers and stored contiguously. From 32 parts on, in columns and one-pass folds
+  (KernelConfig.encode_joined_from), the rotated parts are joined instead and the tile encoded once,
+  which keeps the Triton program (and its compile) short. A row tile's parts are split from one
+  contiguous read in registers or read with strided loads (KernelConfig.split_loads). An unrotated
+  column-wise tile is taken by parts too (KernelConfig.column_parts), which makes its transpose a set of
+  small ones. Other tiles are read whole and rotated with butterflies over reshaped views.
 - fp8_fold in one pass (row layout, rows of at most KernelConfig.one_pass_max_row): the mx kernel's
   quantization with whole rows per program, so it knows each row's top block and writes E4M3 directly.
 - fp8_fold via mx (columns, and longer rows): the mx kernel also writes each tile's part of the row tops;
@@ -90,6 +92,16 @@ class KernelConfig:
         compute-bound already (docs/performance.md, "Stochastic rounding in the kernels"). The cheaper
         generator rng="threefry13" is drawn in the kernels for both layouts under "columns" (its
         arithmetic is a third of threefry's; reading 4 bytes per element more is not cheaper than that).
+      encode_joined_from, encode_joined_from_rows: a tile read by parts of at least this many elements
+        (0: none) joins its rotated parts in registers and encodes the joined tile once; a tile of fewer
+        parts encodes each part apart (the form bench_quantize timed: 16-point rotations, unrotated
+        columns). The first for the column-wise mx kernel and the one-pass fold, the second for the
+        row-wise mx kernel. Apart, the Triton program holds a copy of the encoding (and of SR's
+        generator) per part, and Triton's coalescing pass walks it from every tile load: the 32-part
+        column-wise kernels compiled in 27-54 s on an H100; joined, 1.7-2.5 s against 6-27 s apart on
+        a CPU (pip triton 3.5, sm_90, the rotation's signs read as scalars). A row-wise mx tile joined
+        compiled 1-3 s faster but used 255 registers, spilling with SR, against 92-168 apart: it stays
+        apart until a GPU says otherwise.
     """
 
     mx_row: Tile = Tile(32, 256, 4)
@@ -103,8 +115,13 @@ class KernelConfig:
     one_pass_max_row_rotated: int = 8192
     one_pass_max_row_unrotated: int = 2048
     kernel_bits: str = "columns"
+    encode_joined_from: int = 32
+    encode_joined_from_rows: int = 0
 
     def __post_init__(self):
+        for name in ("encode_joined_from", "encode_joined_from_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"KernelConfig.{name} must be >= 0 (0: never), got {getattr(self, name)}")
         if self.column_parts:
             require_power_of_two(self.column_parts, "KernelConfig.column_parts (or 0)")
         if self.kernel_bits not in KERNEL_BITS:
@@ -120,6 +137,13 @@ class KernelConfig:
 
     def one_pass_max_row(self, rotated: bool) -> int:
         return self.one_pass_max_row_rotated if rotated else self.one_pass_max_row_unrotated
+
+    def encodes_apart(self, parts: int, row_mx: bool = False) -> bool:
+        """Whether a tile read by `parts` parts (0: read whole) encodes each part apart; row_mx: in the
+        row-wise mx kernel (encode_joined_from_rows), else encode_joined_from."""
+        joined_from = self.encode_joined_from_rows if row_mx else self.encode_joined_from
+        joined = 0 < joined_from <= parts
+        return parts > 0 and not joined
 
 
 def _pick(length: int, want: int, minimum: int) -> int:
@@ -256,10 +280,23 @@ class _Inputs:
             return None
         return [self.signs[0, k] for k in range(size)]
 
-    def quantize_whole(self, column, spec, rotation, fmt):
-        """The tile read whole: rotated (butterflies over views), then tile_math.quantize_tile."""
-        t = _rotate(_load_tile(self.x, column), rotation, self.signs)
+    def quantize_tile(self, column, spec, rotation, fmt, parts: int = 0, split: bool = False):
+        """tile_math.quantize_tile of the rotated tile (`rotated_tile`), with the tile's random bits."""
+        t = self.rotated_tile(column, rotation, parts, split)
         return tm.quantize_tile(t, fmt, spec, self.random_tile())
+
+    def rotated_tile(self, column, rotation, parts: int, split: bool) -> jax.Array:
+        """The tile rotated, (rows, cols) float32 in the output orientation.
+
+        parts == 0: read whole and rotated with butterflies over reshaped views. Otherwise read by parts
+        (_load_parts), rotated elementwise between them (tile_math.hadamard_parts), and joined back in
+        registers (_interleave): the same tile, element for element."""
+        if not parts:
+            return _rotate(_load_tile(self.x, column), rotation, self.signs)
+        values = _load_parts(self.x, column, parts, split)
+        if rotation.rotates:
+            values = tm.hadamard_parts(values, self.sign_parts(parts))
+        return _interleave(values)
 
 
 def _side_inputs(sign_row, random: _Random | None, sign_spec, bits_spec):
@@ -334,6 +371,7 @@ def _load_part(x_ref, column: bool, k: int, size: int, dtype=jnp.float32):
 def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, split, fold_rows=None):
     """The (rotated) tile's codes written to data_ref; (block exponents, finite, non-zero), (rows, blocks).
 
+    Each part encoded apart (KernelConfig.encodes_apart; otherwise _Inputs.quantize_tile joins them).
     inputs: the tile's _Inputs (x, and the sign row and random bits or key where there are any).
     Part k holds element k of every run of `size` (a rotation block, tile_math.hadamard_parts); an MX
     block is `per_block` consecutive runs. Codes go back to position k of every run (halved for packed
@@ -399,13 +437,15 @@ def _mx_kernel(*refs, column, spec, rotation, has_signs, has_random, draw, with_
     data_ref, scale_ref = outs[:2]
     fmt = get_elem_format(spec.elem)
     rows = data_ref.shape[0]
-    size = _parts(spec, rotation, column, config)
-    if size:
+    parts = _parts(spec, rotation, column, config)
+    if config.encodes_apart(parts, row_mx=not column):
         exponent, finite, nonzero = _quantize_by_parts(
-            inputs, data_ref, column, spec, rotation, fmt, size, config.split_loads
+            inputs, data_ref, column, spec, rotation, fmt, parts, config.split_loads
         )
     else:
-        codes, exponent, finite, nonzero = inputs.quantize_whole(column, spec, rotation, fmt)
+        codes, exponent, finite, nonzero = inputs.quantize_tile(
+            column, spec, rotation, fmt, parts, config.split_loads
+        )
         data_ref[...] = tm.stored_data(codes, fmt).reshape(rows, -1).astype(jnp.uint8)
     scale_ref[...] = tm.scale_bits(exponent, finite).reshape(rows, -1).astype(jnp.uint8)
     if with_tops:  # this tile's part of each row's top non-zero block exponent, and of its NaN flag
@@ -568,13 +608,11 @@ def _fold_one_pass_kernel(*refs, spec, rotation, has_signs, has_random, draw, co
     inputs, (data_ref, rowexp_ref, flushed_ref) = _Inputs.split(refs, has_signs, has_random, draw)
     fmt, rows = get_elem_format(spec.elem), data_ref.shape[0]
     fold_rows = _RowFold(fmt)
-    size = _parts(spec, rotation, False, config)
-    if size:
-        _quantize_by_parts(
-            inputs, data_ref, False, spec, rotation, fmt, size, config.one_pass_split_loads, fold_rows
-        )
+    parts, split = _parts(spec, rotation, False, config), config.one_pass_split_loads
+    if config.encodes_apart(parts):
+        _quantize_by_parts(inputs, data_ref, False, spec, rotation, fmt, parts, split, fold_rows)
     else:
-        codes, exponent, finite, nonzero = inputs.quantize_whole(False, spec, rotation, fmt)
+        codes, exponent, finite, nonzero = inputs.quantize_tile(False, spec, rotation, fmt, parts, split)
         by_row = lambda v: v.reshape(rows, -1)  # noqa: E731  (rows, blocks)
         shift, keep, nan_row = fold_rows.per_block(by_row(exponent), by_row(finite), by_row(nonzero))
         by_block = codes.reshape(rows, -1, spec.block_size)
