@@ -293,10 +293,13 @@ class _Inputs:
         registers (_interleave): the same tile, element for element."""
         if not parts:
             return _rotate(_load_tile(self.x, column), rotation, self.signs)
-        values = _load_parts(self.x, column, parts, split)
-        if rotation.rotates:
-            values = tm.hadamard_parts(values, self.sign_parts(parts))
-        return _interleave(values)
+        return _interleave(self.rotated_parts(column, rotation, parts, split))
+
+    def rotated_parts(self, column, rotation, size: int, split: bool) -> list[jax.Array]:
+        """The tile by parts (_load_parts: element k of every run of `size`), rotated elementwise between
+        them (tile_math.hadamard_parts) where the rotation rotates."""
+        values = _load_parts(self.x, column, size, split)
+        return tm.hadamard_parts(values, self.sign_parts(size)) if rotation.rotates else values
 
 
 def _side_inputs(sign_row, random: _Random | None, sign_spec, bits_spec):
@@ -379,10 +382,8 @@ def _quantize_by_parts(inputs, data_ref, column, spec, rotation, fmt, size, spli
     With `fold_rows` (the one-pass kernel: a whole row per tile, _RowFold) they go out folded into E4M3,
     one byte each. `split`: read the parts with one contiguous load (row layout), else strided loads.
     """
-    parts = _load_parts(inputs.x, column, size, split)
+    parts = inputs.rotated_parts(column, rotation, size, split)
     rows, runs = parts[0].shape
-    if rotation.rotates:
-        parts = tm.hadamard_parts(parts, inputs.sign_parts(size))
     bits = [f32_bits(p) for p in parts]
     per_block = spec.block_size // size
     amax = functools.reduce(jnp.maximum, [b & F32_ABS_MASK for b in bits])
