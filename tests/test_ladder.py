@@ -121,7 +121,10 @@ def test_timeout_is_recorded_as_failed_and_retried_only_when_asked(tmp_path, mon
     assert again == {}
     _, retried = _fake_grid(tmp_path, monkeypatch, SLEEPER, timeout_min=0.01, retry_failed=True)
     assert list(retried) == [spec.label]
-    assert runs.read_json(str(tmp_path / "tiny" / "seed0" / "ladder_run.json"))["attempts"] == 2
+    run_dir = str(tmp_path / "tiny" / "seed0")
+    assert runs.read_json(os.path.join(run_dir, "ladder_run.json"))["attempts"] == 2
+    kept = runs.read_json(os.path.join(run_dir, runs.FAILED_SUMMARY))  # the failure it replaced, kept to read
+    assert kept["status"] == "failed" and kept["failure"] == "timeout after 0.01 min"
 
 
 def test_a_crash_after_a_preempted_attempt_is_not_read_as_preempted(tmp_path, monkeypatch):

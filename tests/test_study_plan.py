@@ -267,7 +267,7 @@ def test_a_failed_run_names_its_error_blocks_later_stages_and_reruns_with_retry_
     done = schedule.run_plan(the_plan, root, budget_minutes=5, retry_failed=True, log=lambda line: None)
     assert sorted(done) == ["a/seed0", "b/seed0", "b/seed1"]
     assert runs.run_status(os.path.join(root, "gate", "b", "seed0")) == "not_reached"
-    kept = runs.read_json(os.path.join(root, "gate", "b", "seed0", schedule.FAILED_SUMMARY))
+    kept = runs.read_json(os.path.join(root, "gate", "b", "seed0", runs.FAILED_SUMMARY))
     assert kept["failure"] == failed["failure"]
     record = runs.read_json(os.path.join(root, "gate", "b", "seed0", "ladder_run.json"))
     assert [h["status"] for h in record["history"]] == ["failed", "not_reached"]

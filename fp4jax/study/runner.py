@@ -371,6 +371,7 @@ def run_grid(
     log=print,
 ) -> dict[str, dict]:
     """Runs every unfinished spec, `parallel` at a time; returns {label: summary} of the runs done now.
+    `retry_failed` first reopens the runs recorded as failed (runs.reopen_failed), so they run again.
 
     With an accelerator and parallel > 1, pool slot i gets gpus[i * gpus_per_run : (i + 1) * gpus_per_run];
     one run at a time sees every device the ladder sees. On CPU runs are not pinned.
@@ -378,7 +379,10 @@ def run_grid(
     infos = config_infos(specs, overrides)
     todo = []
     for s in specs:
-        if runs.is_finished(s.directory(root), retry_failed):
+        failed = runs.reopen_failed(s.directory(root)) if retry_failed else None
+        if failed is not None:
+            log(f"ladder: {s.label}: failed before ({failed.get('failure')}), to run again")
+        if runs.is_finished(s.directory(root)):
             log(f"ladder: {s.label}: finished before ({describe(_summary(s, root))}), not rerun")
         else:
             todo.append(s)

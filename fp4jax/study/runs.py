@@ -8,7 +8,7 @@ single run of an older one-seed ladder (seed taken as 0).
 Statuses: "reached", "not_reached", "diverged", "preempted" (the trainer's) and "failed" (the ladder's: a
 crash, a timeout, or a run that wrote no summary). Older trainers wrote "target_reached" and
 "budget_exhausted", read as "reached" and "not_reached". Every status but "preempted" is final: a final run
-is never started again ("failed" only with --retry-failed).
+is never started again; --retry-failed reopens a failed one first (`reopen_failed`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fp4jax.training.summary import FINISHED, summary_path  # the trainer's rule
 __all__ = [
     "DIVERGED_EXIT",
     "Eval",
+    "FAILED_SUMMARY",
     "FINAL_STATUSES",
     "FINISHED",
     "OLD_STATUSES",
@@ -43,6 +44,7 @@ __all__ = [
     "parse_run_path",
     "read_json",
     "read_records",
+    "reopen_failed",
     "run_status",
     "status_of",
     "summary_path",
@@ -94,11 +96,24 @@ def run_status(run_dir: str) -> str | None:
     return status_of(read_json(summary_path(run_dir)))
 
 
-def is_finished(run_dir: str, retry_failed: bool = False) -> bool:
-    """True when the run has a summary with a final status (never rerun); "failed" counts as unfinished
-    when retry_failed."""
-    status = run_status(run_dir)
-    return status in FINAL_STATUSES and not (retry_failed and status == "failed")
+def is_finished(run_dir: str) -> bool:
+    """True when the run has a summary with a final status (never rerun)."""
+    return run_status(run_dir) in FINAL_STATUSES
+
+
+FAILED_SUMMARY = "summary.failed.json"  # where reopen_failed moves a failed run's summary
+
+
+def reopen_failed(run_dir: str) -> dict | None:
+    """A run recorded as failed made unfinished, so that it runs again (resuming from its checkpoints, if
+    any): its summary.json moved to summary.failed.json, kept to read. Returns that summary, None (and
+    nothing moved) when the run had not failed. The study's and the ladder's --retry-failed both use it."""
+    if run_status(run_dir) != "failed":
+        return None
+    path = summary_path(run_dir)
+    failed = read_json(path) or {}
+    os.replace(path, os.path.join(run_dir, FAILED_SUMMARY))
+    return failed
 
 
 def read_records(run_dir: str) -> list[dict]:

@@ -33,7 +33,6 @@ from fp4jax.study.reuse import reuse_earlier_run
 __all__ = [
     "COMPILE_CACHE_DIR",
     "COMPILE_CACHE_ENV",
-    "FAILED_SUMMARY",
     "KILL_AFTER_S",
     "MIN_START_MINUTES",
     "STOP_MARGIN_S",
@@ -44,7 +43,6 @@ __all__ = [
 
 STOP_MARGIN_S = 60  # stop runs this long before the budget ends: they save a checkpoint and exit
 KILL_AFTER_S = 60  # a run that has not exited this long after SIGTERM is killed
-FAILED_SUMMARY = "summary.failed.json"  # where --retry-failed moves a failed run's summary
 MIN_START_MINUTES = 3.0  # an over-long run is started on an idle machine only with this much left
 
 
@@ -155,18 +153,13 @@ def run_plan(
 
 
 def _reopen_failed(stage: Stage, sroot: str, arms, seeds, log) -> None:
-    """The stage's failed runs among the chosen arms and seeds made unfinished: summary.json moved to
-    summary.failed.json (the last failure's, kept to read)."""
+    """The stage's failed runs among the chosen arms and seeds made unfinished (runs.reopen_failed)."""
     for spec in stage_specs(stage):
         if (seeds and spec.seed not in seeds) or (arms and arm_of(spec) not in arms):
             continue
-        directory = spec.directory(sroot)
-        if runs.run_status(directory) != "failed":
-            continue
-        path = runs.summary_path(directory)
-        why = (runs.read_json(path) or {}).get("failure")
-        os.replace(path, os.path.join(directory, FAILED_SUMMARY))
-        log(f"study: {stage.name}/{spec.label}: failed before ({why}), to run again")
+        failed = runs.reopen_failed(spec.directory(sroot))
+        if failed is not None:
+            log(f"study: {stage.name}/{spec.label}: failed before ({failed.get('failure')}), to run again")
 
 
 def _phases(stage: Stage, sroot: str, arms, seeds, log):
