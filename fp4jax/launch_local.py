@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from fp4jax import logs
+
 __all__ = ["Process", "free_port", "gpu_platform", "main", "plan"]
 
 GPU_VISIBILITY = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
@@ -92,14 +94,6 @@ def plan(processes: int, devices_per_process: int, log_dir: str, port: int, plat
     return out
 
 
-def _tail(path: str, n: int = TAIL_LINES) -> list[str]:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read().splitlines()[-n:]
-    except OSError:
-        return []
-
-
 def run(processes: list[Process], command: list[str], grace_s: float) -> int:
     """Starts every process, forwards SIGTERM / SIGINT to all, waits; the first non-zero exit code or 0."""
     os.makedirs(os.path.dirname(processes[0].log) or ".", exist_ok=True)
@@ -135,7 +129,7 @@ def run(processes: list[Process], command: list[str], grace_s: float) -> int:
     for p, code in zip(processes, codes, strict=True):
         if code != 0:
             print(f"launch_local: process {p.index} exited {code}; the end of {p.log}:", file=sys.stderr)
-            for line in _tail(p.log):
+            for line in logs.log_tail(p.log)[-TAIL_LINES:]:
                 print(f"  {line}", file=sys.stderr)
     if first_failure is not None:
         return first_failure.returncode if first_failure.returncode > 0 else 128 - first_failure.returncode

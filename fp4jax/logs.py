@@ -9,9 +9,12 @@ its one-line messages read as they did with print.
 """
 
 import logging
+import os
 import sys
 
-__all__ = ["ProcessZeroInfo", "configure"]
+__all__ = ["ProcessZeroInfo", "configure", "log_tail"]
+
+TAIL_BYTES = 65536  # how far from a log's end log_tail reads: a long run's log is not read whole
 
 _FORMATS = {logging.WARNING: "warning: %(message)s", logging.ERROR: "error: %(message)s"}
 
@@ -56,3 +59,14 @@ def configure(level: int = logging.INFO) -> None:
         handler.addFilter(ProcessZeroInfo())
         handler.setFormatter(_Formatter())
         logger.addHandler(handler)
+
+
+def log_tail(path: str, max_bytes: int = TAIL_BYTES) -> list[str]:
+    """The lines of a log file's last `max_bytes` (the first may be cut), decoded leniently; [] when the
+    file cannot be read. For reporting how a child process ended, from its log."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - max_bytes))
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []

@@ -12,6 +12,7 @@ import sys
 import pytest
 from study_plans import stage_toml
 
+from fp4jax import logs
 from fp4jax.study import designs, plan, progress, report, reuse, runner, runs, schedule
 from fp4jax.study.gate import gate_result
 
@@ -280,6 +281,16 @@ def test_the_error_line_is_the_last_exception_of_the_logs_end(tmp_path):
     log.write_text("step 1\nan Error: in prose is not one\n")
     assert runner._last_error_line(str(log)) is None
     assert runner._last_error_line(str(tmp_path / "missing.log")) is None
+
+
+def test_a_logs_tail_reads_only_its_end(tmp_path):
+    """logs.log_tail (the study's failure line, launch_local's last lines of a failed process) reads at
+    most max_bytes from the end, so a long run's log is never read whole; bad bytes do not stop it."""
+    log = tmp_path / "train.log"
+    log.write_bytes(b"".join(b"line %04d\n" % i for i in range(1000)) + b"\xff end\n")
+    assert logs.log_tail(str(log), max_bytes=25) == ["ine 0998", "line 0999", "\ufffd end"]  # first line cut
+    assert logs.log_tail(str(log))[0] == "line 0000" and len(logs.log_tail(str(log))) == 1001
+    assert logs.log_tail(str(tmp_path / "missing.log")) == []
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from fp4jax import logs
 from fp4jax.study import runs
 
 __all__ = [
@@ -266,13 +267,8 @@ def _exit_failure(job: Job, code: int) -> str:
 def _last_error_line(log_path: str) -> str | None:
     """The last line of the log's end that reads like a Python exception ("ValueError: ..."), cut to
     _ERROR_CHARS; None without one."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(log_path) - 65536))
-            tail = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-    line = next((ln.strip() for ln in reversed(tail) if _ERROR_LINE.match(ln.strip())), None)
+    lines = (ln.strip() for ln in reversed(logs.log_tail(log_path)))
+    line = next((ln for ln in lines if _ERROR_LINE.match(ln)), None)
     return None if line is None else line[:_ERROR_CHARS]
 
 
