@@ -128,7 +128,7 @@ import shards  # noqa: E402
 from tiny_runs import good_run, good_run_events, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
 from fp4jax import logs  # noqa: E402
-from fp4jax.ops import nvfp4, quantize, quantized_dot  # noqa: E402
+from fp4jax.ops import formats, nvfp4, quantize, quantized_dot  # noqa: E402
 from fp4jax.ops.kernels import probes  # noqa: E402
 
 logs.configure()  # as the command lines do: tests read the trainer's messages on stderr
@@ -165,7 +165,8 @@ def failing_scaled_dot(monkeypatch):
     probes.auto_choice.cache_clear()
 
 
-# fp4jax's jitted entry points (inline=True): mx_dot_general's passes and the public quantizers.
+# fp4jax's jitted entry points (inline=True): mx_dot_general's passes, the public quantizers, the
+# dequantizers and the IEEE divides.
 _JITTED = (
     quantized_dot._mx_dot_primal,
     quantized_dot._mx_dot_fwd,
@@ -173,6 +174,11 @@ _JITTED = (
     quantize.quantize_mx,
     quantize.quantize_fp8,
     nvfp4.quantize_nvfp4,
+    quantize._dequantize_mx,
+    quantize._dequantize_fp8,
+    nvfp4._dequantize_nvfp4,
+    formats.divide_nearest_even,
+    formats.divide_nearest_even_by_integers,
 )
 
 

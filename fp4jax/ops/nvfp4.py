@@ -129,8 +129,14 @@ class NVFP4Array:
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """(data * block scale) * float32(1 / global_scale): the product exact, then one float32 rounding
         (subnormal results flushed to zero); NaN for every element of a NaN block."""
-        values = self.data.astype(jnp.float32) * self.element_scales()
-        return flush_subnormal(values * _decode_scale(self.global_scale)).astype(dtype)
+        return _dequantize_nvfp4(self, dtype=dtype)
+
+
+# Jitted, inline=True, as quantize.MXArray.dequantize: an eager call is one compiled program.
+@functools.partial(jax.jit, static_argnames="dtype", inline=True)
+def _dequantize_nvfp4(array: NVFP4Array, dtype: Any) -> jax.Array:
+    values = array.data.astype(jnp.float32) * array.element_scales()
+    return flush_subnormal(values * _decode_scale(array.global_scale)).astype(dtype)
 
 
 def _check_nvfp4_args(

@@ -213,10 +213,17 @@ class MXArray:
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """data * 2^e exactly in float32 (then cast to dtype); NaN for every element of a NaN block."""
-        exponent = jnp.repeat(self.scale_exponent(), self.block_size, axis=self.axis)
-        values = ldexp_exact(self.data.astype(jnp.float32), exponent)
-        values = jnp.where(exponent == formats.SCALE_NAN_BITS - formats.SCALE_BIAS, jnp.nan, values)
-        return values.astype(dtype)
+        return _dequantize_mx(self, dtype=dtype)
+
+
+# Jitted, inline=True, as quantize_mx: an eager call is one compiled program, not some twenty primitives
+# compiled and dispatched one by one (0.27 s -> 0.04 s for a new shape on a 2-core CPU).
+@functools.partial(jax.jit, static_argnames="dtype", inline=True)
+def _dequantize_mx(array: MXArray, dtype: Any) -> jax.Array:
+    exponent = jnp.repeat(array.scale_exponent(), array.block_size, axis=array.axis)
+    values = ldexp_exact(array.data.astype(jnp.float32), exponent)
+    values = jnp.where(exponent == formats.SCALE_NAN_BITS - formats.SCALE_BIAS, jnp.nan, values)
+    return values.astype(dtype)
 
 
 def _element_of(data, elem: str | None) -> str | None:
@@ -398,7 +405,12 @@ class FP8Array:
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         """data / scale, each element's quotient divided as `divide` does (fp8_divide)."""
-        return fp8_divide(float8_to_float32(self.data), self.scale, self.divide).astype(dtype)
+        return _dequantize_fp8(self, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames="dtype", inline=True)  # as _dequantize_mx
+def _dequantize_fp8(array: FP8Array, dtype: Any) -> jax.Array:
+    return fp8_divide(float8_to_float32(array.data), array.scale, array.divide).astype(dtype)
 
 
 def amax(x: jax.Array) -> jax.Array:
