@@ -128,8 +128,8 @@ import shards  # noqa: E402
 from tiny_runs import good_run, good_run_events, good_run_result, token_cache, xla_cache  # noqa: E402, F401
 
 from fp4jax import logs  # noqa: E402
-from fp4jax.ops import formats, nvfp4, quantize, quantized_dot  # noqa: E402
-from fp4jax.ops.kernels import probes  # noqa: E402
+from fp4jax.ops import formats, nvfp4, quantize, quantized_dot, rotation  # noqa: E402
+from fp4jax.ops.kernels import probes, sr_bits  # noqa: E402
 
 logs.configure()  # as the command lines do: tests read the trainer's messages on stderr
 
@@ -166,7 +166,7 @@ def failing_scaled_dot(monkeypatch):
 
 
 # fp4jax's jitted entry points (inline=True): mx_dot_general's passes, the public quantizers, the
-# dequantizers and the IEEE divides.
+# dequantizers, the IEEE divides, FP8 decoding, SR's bits and the rotations.
 _JITTED = (
     quantized_dot._mx_dot_primal,
     quantized_dot._mx_dot_fwd,
@@ -179,6 +179,10 @@ _JITTED = (
     nvfp4._dequantize_nvfp4,
     formats.divide_nearest_even,
     formats.divide_nearest_even_by_integers,
+    formats.float8_to_float32,
+    sr_bits._stochastic_bits,
+    rotation.random_signs,
+    rotation.rotate_blocks,
 )
 
 

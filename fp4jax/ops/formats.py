@@ -155,6 +155,7 @@ def get_elem_format(name: str | ElemFormat) -> ElemFormat:
 _FLOAT8_FORMATS = {jnp.dtype(f.dtype): f for f in (E4M3, E5M2)}
 
 
+@functools.partial(jax.jit, inline=True)  # as divide_nearest_even
 def float8_to_float32(x: jax.Array) -> jax.Array:
     """The float32 values of a float8_e4m3fn or float8_e5m2 array, decoded from its bit patterns.
 

@@ -39,6 +39,9 @@ def hadamard(n: int) -> np.ndarray:
     return (_sylvester(n) / np.sqrt(n)).astype(np.float32)
 
 
+# random_signs and rotate_blocks are jitted, inline=True, as quantize.quantize_mx: an eager call is one
+# compiled program, not its primitives compiled and dispatched one by one.
+@functools.partial(jax.jit, static_argnames="size", inline=True)
 def random_signs(key: jax.Array, size: int) -> jax.Array:
     """A vector of `size` independent random signs (+-1.0, float32)."""
     return jnp.where(jax.random.bernoulli(key, 0.5, (size,)), 1.0, -1.0).astype(jnp.float32)
@@ -59,6 +62,7 @@ def _bf16_path(dtype, size: int) -> bool:
     return gpu and dtype == jnp.bfloat16 and _exact_in_bf16(size)
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "size"), inline=True)
 def rotate_blocks(x: jax.Array, *, axis: int, size: int, signs: jax.Array | None = None) -> jax.Array:
     """Rotates every block of `size` contiguous elements along `axis`: v -> (v * signs) @ H_size.
 

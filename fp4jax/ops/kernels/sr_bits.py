@@ -29,6 +29,7 @@ The low 8 bits are not read; 24 bits are what a float32 uniform in [0, 1) holds.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -96,6 +97,13 @@ def random_bits_of_shape(words, shape: tuple[int, ...]) -> jax.Array:
 def stochastic_bits(key: jax.Array, shape: tuple[int, ...], rng: str = "threefry") -> jax.Array:
     """The uint32 bits generator `rng` draws for an array of `shape` under `key`, one per element."""
     check_generator(rng)
+    return _stochastic_bits(key, tuple(shape), rng)
+
+
+# Jitted, inline=True, as quantize.quantize_mx: an eager call is one compiled program, not its
+# primitives (threefry's rounds) compiled and dispatched one by one.
+@functools.partial(jax.jit, static_argnames=("shape", "rng"), inline=True)
+def _stochastic_bits(key: jax.Array, shape: tuple[int, ...], rng: str) -> jax.Array:
     if rng == "threefry":
         return jax.random.bits(key, shape, jnp.uint32)
     return random_bits_of_shape(key_words(key), shape)
