@@ -35,6 +35,7 @@ __all__ = [
     "check_global_batch",
     "data_parallel_size",
     "init_sharded",
+    "lazy_init_sharded",
     "logical_shardings",
     "make_mesh",
     "sharding_context",
@@ -136,11 +137,22 @@ def init_sharded(init_fn: Callable[..., Any], mesh: Mesh, *args, rules=LOGICAL_R
     Adam's moments inherit the params' logical names); the returned state is unboxed.
     Returns (state, shardings) with identical tree structures.
     """
+    _, shardings, init = lazy_init_sharded(init_fn, mesh, *args, rules=rules)
+    return init(), shardings
+
+
+def lazy_init_sharded(init_fn: Callable[..., Any], mesh: Mesh, *args, rules=LOGICAL_RULES):
+    """init_sharded's work without running init_fn: (the unboxed abstract state, its shardings, init),
+    where init() returns the state init_sharded returns. A run that restores a checkpoint into the abstract
+    state never initialises one (on an 8B model, an initialisation and its memory thrown away)."""
     abstract = jax.eval_shape(init_fn, *args)
     shardings = logical_shardings(abstract, mesh, rules)
-    with sharding_context(mesh, rules):
-        state = jax.jit(lambda *a: nn.meta.unbox(init_fn(*a)), out_shardings=shardings)(*args)
-    return state, shardings
+
+    def init():
+        with sharding_context(mesh, rules):
+            return jax.jit(lambda *a: nn.meta.unbox(init_fn(*a)), out_shardings=shardings)(*args)
+
+    return _unbox_no_constraint(abstract), shardings, init
 
 
 def data_parallel_size(mesh: Mesh) -> int:

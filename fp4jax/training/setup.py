@@ -33,6 +33,7 @@ from fp4jax.models.sharding import (
     check_global_batch,
     data_parallel_size,
     init_sharded,
+    lazy_init_sharded,
     make_mesh,
 )
 from fp4jax.ops import BACKENDS, QUANTIZERS, get_recipe, resolve_execution
@@ -59,6 +60,7 @@ __all__ = [
     "init_train_state",
     "initialize_distributed",
     "jit_steps",
+    "lazy_train_state",
     "make_run_mesh",
     "model_config",
     "new_directory",
@@ -383,6 +385,13 @@ def init_train_state(model, tx, mesh, seed: int, seq_len: int):
     """(step-0 TrainState, its shardings): initialised directly into the sharded layout."""
     init_fn = make_init_fn(model, tx, (data_parallel_size(mesh), min(seq_len, 64)))
     return init_sharded(init_fn, mesh, init_key(seed))
+
+
+def lazy_train_state(model, tx, mesh, seed: int, seq_len: int):
+    """(abstract step-0 TrainState, its shardings, init): init() returns init_train_state's state, for a
+    run that finds no checkpoint to restore into the abstract one."""
+    init_fn = make_init_fn(model, tx, (data_parallel_size(mesh), min(seq_len, 64)))
+    return lazy_init_sharded(init_fn, mesh, init_key(seed))
 
 
 def init_key(seed: int):

@@ -100,20 +100,23 @@ def build_run(config, workdir: str, mesh, last_step: int) -> Run:
     """Model, data, state (restored from the newest good checkpoint, if any), jitted steps."""
     tokenizer, model, model_cfg, tx, schedule = setup.build_model_and_optimizer(config)
     train_iter, eval_batches, final_eval_batches = load_data(config, tokenizer, mesh)
-    state, shardings = setup.init_train_state(model, tx, mesh, config.seed, config.seq_len)
+    # The step-0 state is initialised only where nothing is restored into its abstract form.
+    abstract, shardings, init_state = setup.lazy_train_state(model, tx, mesh, config.seed, config.seq_len)
     manager = checkpoint.make_manager(
         workdir,
         keep=config.keep_checkpoints,
         async_save=config.async_checkpointing,
         keep_steps=tuple(config.keep_checkpoint_steps),
     )
-    restored = restore(config, manager, checkpoint.abstract_like(state, shardings), train_iter)
+    restored = restore(config, manager, checkpoint.abstract_like(abstract, shardings), train_iter)
     meta = {"evals": [], "target_step": None, "guard": {}}
     if restored is not None:
         state, meta = restored.state, {**meta, **restored.meta}
-    elif config.init_params:
-        state, started = weights.start_from_params(config, state, shardings, model_cfg)
-        meta.update(started)
+    else:
+        state = init_state()
+        if config.init_params:
+            state, started = weights.start_from_params(config, state, shardings, model_cfg)
+            meta.update(started)
     train_fn, eval_fn = setup.jit_steps(config, model, tx, schedule, mesh, shardings)
     peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind)
     return Run(
