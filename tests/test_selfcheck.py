@@ -2,6 +2,7 @@
 
 import functools
 
+import numpy as np
 import pytest
 
 from fp4jax import selfcheck
@@ -109,3 +110,21 @@ def test_selfcheck_rejects_bad_arguments():
     with pytest.raises(SystemExit) as exc:
         selfcheck.main(["--formats", "mxfp5_full"])
     assert exc.value.code == 2
+
+
+def test_relative_errors_are_numpys_in_float64_and_a_nan_fails():
+    """The on-device error equals the float64 host computation (max |o - r| / max |r|) to float32's
+    rounding, is exactly 0 for equal outputs, and is not finite where an output holds a NaN."""
+    rng = np.random.default_rng(3)
+    reference = [rng.standard_normal(shape).astype(np.float32) for shape in ((64, 48), (64, 32), (32, 48))]
+    outs = [r.copy() for r in reference]
+    outs[1][5, 7] += np.float32(3e-4)  # one wrong element in dx
+    outs[2] *= np.float32(1 + 2**-20)  # every element of dw one ulp or so off
+    want = [
+        np.abs(o.astype(np.float64) - r).max() / np.abs(r.astype(np.float64)).max()
+        for o, r in zip(outs, reference, strict=True)
+    ]
+    got = np.asarray(selfcheck.relative_errors(outs, reference))
+    assert got[0] == 0.0 and np.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+    outs[0][0, 0] = np.nan
+    assert not np.isfinite(np.asarray(selfcheck.relative_errors(outs, reference))[0])
