@@ -10,14 +10,8 @@ import io
 import pathlib
 import tokenize
 
-import pytest
-
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "fp4jax"
 MIN_LINES = 6
-
-# Known repeats, as (file, file) pairs relative to the repository; each flips (strict xfail) when
-# it is gone, and then its line goes.
-KNOWN = set()
 
 
 def code_lines(source: str) -> list[tuple[int, str]]:
@@ -76,12 +70,6 @@ def fp4jax_repeats():
 
 
 def test_no_block_of_six_lines_is_repeated_inside_fp4jax():
-    found = [r for r in fp4jax_repeats() if (r[0], r[2]) not in KNOWN]
+    found = fp4jax_repeats()
     message = "; ".join(f"{a}:{la} and {b}:{lb} ({n} lines)" for a, la, b, lb, n in found)
     assert not found, f"repeated blocks (write each once): {message}"
-
-
-@pytest.mark.parametrize("pair", sorted(KNOWN))
-@pytest.mark.xfail(strict=True, reason="a known repeat, to be written once; remove it from KNOWN then")
-def test_known_repeat_is_gone(pair):
-    assert pair not in {(r[0], r[2]) for r in fp4jax_repeats()}
