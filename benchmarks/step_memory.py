@@ -20,7 +20,6 @@ import re
 import sys
 import tempfile
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -29,9 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_train  # noqa: E402  (benchmarks/: on sys.path when run as a script)
 import harness  # noqa: E402
 
-from fp4jax.models.sharding import data_parallel_size, logical_shardings, sharding_context  # noqa: E402
-from fp4jax.training import setup  # noqa: E402
-from fp4jax.training.state import make_init_fn  # noqa: E402
+from fp4jax.models.sharding import sharding_context  # noqa: E402
+from fp4jax.training import checkpoint, setup  # noqa: E402
 
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
 _LIVE = re.compile(r"^\s+(\S+): (\d+) bytes \(cumulative")
@@ -53,19 +51,9 @@ def peak_buffers(live_range_text: str) -> list[tuple[str, int]]:
 
 
 def _abstract_state(model, tx, mesh, config):
-    """The step-0 state as sharded ShapeDtypeStructs: init_train_state's shapes and shardings, no arrays.
-
-    The boxes are stripped by hand: nn.meta.unbox would apply their sharding constraints to the abstract
-    values."""
-    init_fn = make_init_fn(model, tx, (data_parallel_size(mesh), min(config.seq_len, 64)))
-    abstract = jax.eval_shape(init_fn, jax.random.key(0))
-    shardings = logical_shardings(abstract, mesh)
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        nn.meta.map_axis_meta(lambda box: box.value, abstract),
-        shardings,
-    )
-    return state, shardings
+    """The step-0 state as sharded ShapeDtypeStructs: the trainer's shapes and shardings, no arrays."""
+    abstract, shardings, _ = setup.lazy_train_state(model, tx, mesh, config.seed, config.seq_len)
+    return checkpoint.abstract_like(abstract, shardings), shardings
 
 
 def request_dump() -> str:

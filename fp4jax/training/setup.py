@@ -32,7 +32,6 @@ from fp4jax.models.sharding import (
     batch_sharding,
     check_global_batch,
     data_parallel_size,
-    init_sharded,
     lazy_init_sharded,
     make_mesh,
 )
@@ -383,8 +382,8 @@ def build_model_and_optimizer(config):
 
 def init_train_state(model, tx, mesh, seed: int, seq_len: int):
     """(step-0 TrainState, its shardings): initialised directly into the sharded layout."""
-    init_fn = make_init_fn(model, tx, (data_parallel_size(mesh), min(seq_len, 64)))
-    return init_sharded(init_fn, mesh, init_key(seed))
+    _, shardings, init = lazy_train_state(model, tx, mesh, seed, seq_len)
+    return init(), shardings
 
 
 def lazy_train_state(model, tx, mesh, seed: int, seq_len: int):
