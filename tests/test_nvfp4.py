@@ -4,9 +4,10 @@ The reference is formats_reference.quantize_nvfp4, written from the rule (docs/n
 numpy float32 arithmetic (IEEE, one rounding per operation, subnormals kept unless the rule flushes
 them), the E4M3 and E2M1 roundings onto grids decoded from the formats' bit fields with Python Fractions
 (nearest, ties to the even code; stochastic: up exactly when u < (a - lo) / (hi - lo), u the top 24 of
-the element's 32 bits from jax.random.bits(key, shape with the block axis last)); test_nvfp4_peers.py
-holds it against jax.nn's and torchao's quantizers. Nothing from fp4jax is called but the quantizer under
-test.
+the element's 32 bits from jax.random.bits(key, shape with the block axis last)), computed for whole
+arrays and held here to the rounding of one Fraction at a time (mx_reference.round_on_grid);
+test_nvfp4_peers.py holds it against jax.nn's and torchao's quantizers. Nothing from fp4jax is called but
+the quantizer under test.
 
 Where torchao differs (torchao/prototype/mx_formats/nvfp4_tensor.py, nvfp4_quantize with a per-tensor
 scale): it stores the decode-direction per-tensor scale amax / 2688 rather than S_enc; it clamps the
@@ -26,7 +27,10 @@ block that holds NaN/Inf gets a NaN scale and +0 data, and the other blocks are 
 
 from __future__ import annotations
 
+import bisect
 import functools
+import math
+from fractions import Fraction
 
 import formats_reference as fref
 import jax
@@ -34,7 +38,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from mx_reference import minifloat_grid
+from mx_reference import minifloat_grid, round_on_grid
 
 from fp4jax.ops.nvfp4 import NVFP4Array, nvfp4_global_scale, quantize_nvfp4
 
@@ -223,6 +227,48 @@ def test_reference_grids_match_ml_dtypes():
         decoded = np.arange(n // 2, dtype=np.uint8).view(dtype).astype(np.float64)
         values, codes = minifloat_grid(*fmt)
         assert [decoded[c] for c in codes] == [float(v) for v in values]
+
+
+@pytest.mark.parametrize("fmt", [fref.E2M1, fref.E4M3], ids=["e2m1", "e4m3"])
+def test_reference_rounding_is_the_exact_rule_element_by_element(fmt):
+    """formats_reference.round_on (whole arrays, float64) gives mx_reference.round_on_grid's value (one
+    Fraction at a time) at the grid values, the midpoints between them, beyond the top, the float32
+    values next to each of those, and at random magnitudes; stochastically with u just below, at and just
+    above each element's threshold (y - lo) / (hi - lo)."""
+    values, codes = minifloat_grid(*fmt)
+    magnitude = {c: float(v) for v, c in zip(values, codes, strict=True)}
+    grid = np.array([float(v) for v in values])
+    edges = np.concatenate([grid, (grid[1:] + grid[:-1]) / 2, grid[-1] * np.array([1.5, 2.0, 1e30])])
+    edges = edges.astype(F32)
+    rng = np.random.default_rng(0)
+    y = np.concatenate(
+        [
+            edges,
+            np.nextafter(edges, F32(0)),
+            np.nextafter(edges, F32(np.inf)),
+            rng.uniform(0, grid[-1], 1000).astype(F32),
+            rng.uniform(0, grid[1], 100).astype(F32),  # between 0 and the smallest subnormal
+        ]
+    ).astype(np.float64)
+    exact = [Fraction(v) for v in y.tolist()]
+    want = [magnitude[round_on_grid(v, values, codes)] for v in exact]
+    np.testing.assert_array_equal(fref.round_on(y, fmt), want)
+
+    def threshold(v: Fraction) -> int:
+        """floor(2^24 (v - lo) / (hi - lo)): u = k / 2^24 rounds v up exactly for k below 2^24 times it."""
+        i = bisect.bisect_right(values, v) - 1
+        if i + 1 == len(values):
+            return 0  # at or beyond the top: saturates whatever u is
+        return math.floor((v - values[i]) / (values[i + 1] - values[i]) * 2**24)
+
+    for offset in (-1, 0, 1):
+        k = np.clip([threshold(v) + offset for v in exact], 0, 2**24 - 1)
+        bits = (k.astype(np.uint32) << 8) | rng.integers(0, 256, k.size, dtype=np.uint32)  # low 8 unread
+        want = [
+            magnitude[round_on_grid(v, values, codes, "stochastic", Fraction(int(u), 2**24))]
+            for v, u in zip(exact, k, strict=True)
+        ]
+        np.testing.assert_array_equal(fref.round_on(y, fmt, bits), want, err_msg=f"offset {offset}")
 
 
 def test_global_scale_rule():
