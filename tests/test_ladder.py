@@ -108,6 +108,9 @@ CRASHER = [sys.executable, "-c", "import sys; print('Traceback: boom'); sys.exit
 
 def _fake_grid(tmp_path, monkeypatch, command, **kwargs):
     monkeypatch.setattr(runner.RunSpec, "argv", lambda self, root, overrides: command)
+    # The fake commands end (or time out) in well under a second: a shorter wait between polls changes no
+    # decision (the timeout's clock is its own), only how long the test waits (0.5 s a poll by default).
+    monkeypatch.setattr(runner, "POLL_S", 0.05)
     spec = runner.RunSpec(runner.Rung("tiny", CONFIG), seed=0)
     return spec, runner.run_grid([spec], str(tmp_path), [], log=lambda line: None, **kwargs)
 
