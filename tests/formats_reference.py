@@ -65,8 +65,7 @@ def round_on(y: np.ndarray, fmt, bits: np.ndarray | None = None) -> np.ndarray:
 @functools.cache
 def _grid_arrays(fmt) -> tuple[np.ndarray, np.ndarray]:
     """fmt's finite magnitudes ascending, as float64 (exact), and their codes."""
-    values, codes, _ = _grid(fmt)
-    return np.array([float(v) for v in values]), np.array(codes)
+    return np.array(grid_values(fmt)), np.array(_grid(fmt)[1])
 
 
 def flush(v) -> np.ndarray:
