@@ -1,14 +1,15 @@
 """The compiled train step's memory, without running a step: XLA's buffer sizes and what is live at the peak.
 
     PYTHONPATH=. python benchmarks/step_memory.py --config configs/llama1b_pg_bf16.py \
-        --recipes bf16,mxfp4_full_h16 [--top 12] [--out FILE.md] [--config.KEY=VALUE ...]
+        --recipes bf16,mxfp4_full_h16 [--top 12] [--out FILE.md] [--dump-dir DIR] [--config.KEY=VALUE ...]
 
 For each recipe the real train step (fp4jax.training.setup.jit_steps) is lowered on abstract arrays, so
 nothing is allocated and a model too large for the device can still be sized, and compiled. Reported:
 `compiled.memory_analysis()` (temporaries, arguments, outputs) and, from XLA's live-range dump of the step
 (module jit_train_step), the largest buffers live at its peak. A buffer that one recipe has at the peak
 and another lacks is where their difference lies: that is how the Pallas quantizer's transposed float32
-weight copies were found (docs/performance.md).
+weight copies were found (docs/performance.md). XLA's dump (HLO text and LLVM IR, megabytes a recipe) goes
+to a temporary folder removed at the end, or to --dump-dir, which is kept for reading.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import glob
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -56,11 +58,15 @@ def _abstract_state(model, tx, mesh, config):
     return checkpoint.abstract_like(abstract, shardings), shardings
 
 
-def request_dump() -> str:
-    """Asks XLA to dump the train step's buffer assignment and live ranges into a new folder.
+def request_dump(folder: str | None = None) -> str:
+    """Asks XLA to dump the train step's buffer assignment and live ranges into `folder` (None: a new
+    temporary folder, which the caller removes).
 
     XLA reads its flags once, when the first backend starts: call this before any jax computation."""
-    folder = tempfile.mkdtemp(prefix="step_memory_")
+    if folder is None:
+        folder = tempfile.mkdtemp(prefix="step_memory_")
+    else:
+        os.makedirs(folder, exist_ok=True)
     flags = f"--xla_dump_to={folder} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step"
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     return folder
@@ -128,14 +134,19 @@ def main(argv=None) -> None:
     parser.add_argument("--recipes", default="bf16,mxfp4_full_h16")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--dump-dir", help="keep XLA's dump of the step here (default: a temporary folder)")
     args, overrides = parser.parse_known_args(argv)
-    dump_dir = request_dump()
-    config = bench_train.load_config(args.config, overrides)
-    print(f"xla options: {setup.apply_xla_options(config)}", flush=True)  # as the trainer's command line
-    rows = []
-    for recipe in args.recipes.split(","):
-        rows.append(measure(config, recipe, dump_dir))
-        print(f"{recipe}: temporaries {rows[-1]['temp_gb']:.2f} GB", flush=True)
+    dump_dir = request_dump(args.dump_dir)
+    try:
+        config = bench_train.load_config(args.config, overrides)
+        print(f"xla options: {setup.apply_xla_options(config)}", flush=True)  # as the trainer's command line
+        rows = []
+        for recipe in args.recipes.split(","):
+            rows.append(measure(config, recipe, dump_dir))
+            print(f"{recipe}: temporaries {rows[-1]['temp_gb']:.2f} GB", flush=True)
+    finally:
+        if args.dump_dir is None:
+            shutil.rmtree(dump_dir, ignore_errors=True)
     command = " ".join(["python benchmarks/step_memory.py", *sys.argv[1:]])
     harness.emit(to_markdown(rows, command, args.top), args.out)
 

@@ -32,7 +32,9 @@ def test_peak_buffers_reads_the_peak_section_largest_first():
 
 def test_step_memory_runs_on_the_tiny_config(tmp_path):
     out = tmp_path / "memory.md"
-    env = subprocess_env(ROOT, JAX_PLATFORMS="cpu")
+    scratch = tmp_path / "tmp"  # the process's temporary folder: its dump must not be left there
+    scratch.mkdir()
+    env = subprocess_env(ROOT, JAX_PLATFORMS="cpu", TMPDIR=str(scratch))
     cmd = [sys.executable, "benchmarks/step_memory.py", "--config", "configs/tiny_c4_h16.py"]
     cmd += ["--recipes", "bf16", "--top", "3", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
@@ -41,6 +43,14 @@ def test_step_memory_runs_on_the_tiny_config(tmp_path):
     temp_gb, buffers = float(row.split("|")[2]), int(row.split("|")[6])
     assert temp_gb > 0 and buffers > 0  # the dump was written and its peak section parsed
     assert table.count("| `") == 3  # --top 3 buffers listed
+    assert not list(scratch.glob("step_memory_*"))  # the temporary dump is removed
+
+
+def test_a_named_dump_folder_is_made_and_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    folder = tmp_path / "dump"
+    assert sm.request_dump(str(folder)) == str(folder) and folder.is_dir()
+    assert f"--xla_dump_to={folder}" in os.environ["XLA_FLAGS"]
 
 
 def test_unknown_recipe_is_a_one_line_error(tmp_path):
