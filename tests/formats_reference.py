@@ -32,10 +32,9 @@ E4M3 = (4, 3, 7, (0x7F,))
 
 
 @functools.cache
-def _grid(fmt) -> tuple[list[Fraction], list[int], dict[int, float]]:
-    """mx_reference.minifloat_grid of fmt, and each code's magnitude as float64 (exact: small dyadics)."""
-    values, codes = minifloat_grid(*fmt)
-    return values, codes, {c: float(v) for v, c in zip(values, codes, strict=True)}
+def _grid(fmt) -> tuple[list[Fraction], list[int]]:
+    """mx_reference.minifloat_grid of fmt: its finite magnitudes ascending, and their codes."""
+    return minifloat_grid(*fmt)
 
 
 def round_on(y: np.ndarray, fmt, bits: np.ndarray | None = None) -> np.ndarray:
@@ -81,9 +80,12 @@ def grid_values(fmt) -> list[float]:
 
 def _codes_of(magnitudes: np.ndarray, fmt) -> np.ndarray:
     """The codes (uint8) of magnitudes on fmt's grid; each must be a grid value."""
-    _, codes, magnitude = _grid(fmt)
-    code = {m: c for c, m in magnitude.items()}
-    return np.vectorize(lambda m: code[float(m)], otypes=[np.uint8])(magnitudes)
+    grid, codes = _grid_arrays(fmt)
+    magnitudes = np.asarray(magnitudes, np.float64)
+    i = np.minimum(np.searchsorted(grid, magnitudes), grid.size - 1)
+    if not np.array_equal(grid[i], magnitudes):
+        raise ValueError("_codes_of takes magnitudes on the grid only")
+    return codes[i].astype(np.uint8)
 
 
 def global_scale(amax) -> np.float32:
